@@ -6,7 +6,7 @@ tokenises text by default (`tokenizer(prompt)`, its special tokens added), with 
 request: `"prompt": "text"`, `["text"]`, `[1, 2, 3]` or `[[1, 2, 3]]`; a batch of several is
 refused (400), as epd answers one prompt per call. The generation options, streaming,
 `stream_options` and the server-side defaults are chat completions' (`epd.gateway.openai_protocol`);
-`echo` (a text prompt's), `logprobs` (`epd.gateway.logprobs_protocol`; with `echo`, the prompt's
+`echo` (a text prompt's; with `max_tokens` 0 the prompt alone, vLLM's echo without generation), `logprobs` (`epd.gateway.logprobs_protocol`; with `echo`, the prompt's
 tokens' logprobs come first, as vLLM's; streamed, in the echoed prompt's chunk, before the answer's
 tokens stream with theirs) and vLLM's `prompt_logprobs` are taken,
 `suffix` is refused. The answer is a
@@ -86,6 +86,12 @@ def parse_completion_request(
     refuse_unsupported_fields(body, _COMPLETION_UNSUPPORTED, _COMPLETION_KNOWN)
     prompt = _prompt(body.get("prompt"))
     echo = boolean_field(body, "echo", False)
+    # vLLM's echo without generation: max_tokens 0 answers the prompt alone; one token is generated
+    # (the stages' least), as vLLM's, and its text left out (`ChatRequest.echo_only`).
+    max_tokens = body.get("max_tokens")
+    echo_only = echo and max_tokens == 0 and not isinstance(max_tokens, bool)
+    if echo_only:
+        body = {**body, "max_tokens": 1}
     logprobs = completion_logprobs_option(body)
     if echo and prompt.token_ids:
         raise InvalidRequest(
@@ -108,6 +114,7 @@ def parse_completion_request(
         sampling=sampling_defaults,
         raw_prompt=prompt,
         echo=echo,
+        echo_only=echo_only,
         **options,
     )
 
@@ -142,12 +149,15 @@ def text_completion_body(
         "choices": [
             {
                 "index": choice.index,
-                "text": request.echoed_text + choice.answer,
+                "text": request.echoed_text + ("" if request.echo_only else choice.answer),
                 "logprobs": None
                 if choice.logprobs is None
                 else completion_logprobs(
-                    # vLLM's echo with logprobs: the prompt's tokens, then the answer's.
-                    [*(summary.prompt_logprobs or ()), *choice.logprobs] if request.echo else choice.logprobs
+                    # vLLM's echo with logprobs: the prompt's tokens, then the answer's (none
+                    # shown with max_tokens 0).
+                    [*(summary.prompt_logprobs or ()), *([] if request.echo_only else choice.logprobs)]
+                    if request.echo
+                    else choice.logprobs
                 ),
                 "finish_reason": choice.finish_reason or "stop",
                 "stop_reason": choice.stop_reason,

@@ -625,6 +625,9 @@ class HttpApi:
     ) -> None:
         created = int(time.time())
         num_tokens = 0
+        # Each choice's tokens so far, by index: a chunk's continuous usage counts its own choice's,
+        # as vLLM's (`previous_num_tokens[i]`); the final usage chunk sums them.
+        choice_tokens: dict[int, int] = {}
         # Characters of each choice's text sent so far, by index (a completion's logprobs text_offset).
         text_offsets: dict[int, int] = {}
         call = current_call()
@@ -651,12 +654,13 @@ class HttpApi:
             """`off_loop`: a chunk with the prompt's logprobs, written on a worker thread (`json_answer`)."""
             assert stream.response is not None
             if chat.continuous_usage:
+                so_far = choice_tokens.get(body["choices"][0]["index"], 0) if body["choices"] else num_tokens
                 body.setdefault(
                     "usage",
                     {
                         "prompt_tokens": num_prompt_tokens,
-                        "completion_tokens": num_tokens,
-                        "total_tokens": num_prompt_tokens + num_tokens,
+                        "completion_tokens": so_far,
+                        "total_tokens": num_prompt_tokens + so_far,
                     },
                 )
             elif chat.include_usage:
@@ -745,9 +749,11 @@ class HttpApi:
                                 )
                     if isinstance(item, TokenStep):
                         num_tokens += len(item.token_ids)
+                        choice_tokens[item.index] = choice_tokens.get(item.index, 0) + len(item.token_ids)
                         if call is not None:  # what a cut's status (and the request metric) goes by
                             call.num_tokens = num_tokens
-                        if item.token_ids or item.text:
+                        # echo_only: the prompt alone went out (vLLM's echo without generation)
+                        if (item.token_ids or item.text) and not chat.echo_only:
                             split = parted[item.index].add(item.text, item.token_ids) if parted else None
                             delta = None if split is None else delta_fields(split, chat.include_reasoning)
                             more: list[

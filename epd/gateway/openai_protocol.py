@@ -270,6 +270,11 @@ class ChatRequest:
     """`echo`, vLLM's meanings: a legacy completion's text begins with its (text) prompt; a chat
     answer's content begins with the last message's, when that message's role is the answer's
     (`echoed_text`)."""
+    echo_only: bool = False
+    """A legacy completion's `echo` with `max_tokens` 0, vLLM's echo without generation: the answer
+    is the prompt alone, with its logprobs when asked (how lm-evaluation-harness scores a text's
+    loglikelihood). As vLLM's, one token is generated (`usage` counts it, `token_ids` lists it)
+    and its text left out."""
     template: ChatTemplateOptions = ChatTemplateOptions()
     """vLLM's `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs`: how
     the chat template renders the prompt. A continued message's answer is the continuation alone,
@@ -476,7 +481,8 @@ def _pruning(value: Any) -> PruningConfig:
 
 def parse_messages(messages: Any) -> tuple[list[Message], str, str]:
     """OpenAI messages -> (the conversation, the media URL, "video" | "image"). Roles system, user,
-    assistant and tool; content a string or a list of text / video_url / image_url parts, kept in the
+    assistant and tool; content a string or a list of text / video_url / image_url parts (or the
+    other spellings vLLM reads: `_TEXT_PARTS`, input_image, a media part without "type"), kept in the
     client's order; at most one media part, in a user message (none: text alone, URL and kind ""),
     and the last message the user's, a tool's or the assistant's. An assistant's `tool_calls`
     (content null) and a tool's `tool_call_id` are kept for the template; the deprecated
@@ -529,18 +535,22 @@ def parse_messages(messages: Any) -> tuple[list[Message], str, str]:
         parts: list[ContentPart] = []
         for k, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text":
-                if not isinstance(part.get("text"), str):
+            if kind is None and isinstance(part, dict):  # vLLM's media part without "type"
+                kind = next((key for key in ("video_url", "image_url") if key in part), None)
+            if isinstance(kind, str) and (text_key := _TEXT_PARTS.get(kind)) is not None:
+                if not isinstance(part.get(text_key), str):
                     raise InvalidRequest(
-                        f"a text part of messages[{i}] needs its text: {{'type': 'text', 'text': '...'}}"
+                        f"a {kind} part of messages[{i}] needs its text: {{'type': '{kind}', '{text_key}': '...'}}"
                     )
-                name = f"messages[{i}].content" + ("" if as_string else f"[{k}].text")
-                parts.append(text_part(checked_text(part["text"], name)))
-            elif kind in ("video_url", "image_url"):
+                name = f"messages[{i}].content" + ("" if as_string else f"[{k}].{text_key}")
+                parts.append(text_part(checked_text(part[text_key], name)))
+            elif kind in ("video_url", "image_url", "input_image"):
                 if roles[i] != "user":
                     raise InvalidRequest(
                         f"messages[{i}] is a {roles[i]} message; put the {kind} part in a user message"
                     )
+                # the Responses API's input_image holds its URL as image_url, as vLLM's chat reads it
+                kind = "image_url" if kind == "input_image" else kind
                 ref = part.get(kind)
                 url = ref.get("url") if isinstance(ref, dict) else ref
                 if not isinstance(url, str) or not url:
@@ -570,6 +580,12 @@ def parse_messages(messages: Any) -> tuple[list[Message], str, str]:
 
 
 _ROLE_ALIASES = {"developer": "system"}
+
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+"""The text parts vLLM's chat reads (`_parse_chat_message_content_mm_part` in
+vllm/entrypoints/chat_utils.py), by type: the field that holds the text. The Responses API's
+input_text / output_text come from clients that build chat messages from Responses items, and an
+assistant's refusal part from OpenAI's own history."""
 
 
 def _sampling(media: Any, defaults: SamplingOptions) -> SamplingOptions:

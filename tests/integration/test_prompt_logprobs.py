@@ -283,6 +283,27 @@ def test_a_streamed_echo_with_logprobs_joins_to_the_whole_answer(shared_stack, t
         )
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(shared_stack, tiny_models):
+    """vLLM's echo without generation, how lm-evaluation-harness scores a text's loglikelihood
+    (`echo`, `logprobs`, `max_tokens` 0): it was a 400 ("'max_tokens' must be an integer from 1").
+    The answer is the prompt's text and its tokens' logprobs, the model's, plain and streamed."""
+    http = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{shared_stack.http_port}/v1", api_key="none", max_retries=0
+    )
+    raw_ids, raw_logprobs = reference(tiny_models["qwen2_vl"], prompt=PROMPT)
+    body: dict = dict(model="epd", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    choice = http.completions.create(**body).model_dump()["choices"][0]
+    assert choice["text"] == PROMPT and choice["finish_reason"] in ("length", "stop")
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(raw_ids) and lp["token_logprobs"][0] is None
+    for p in range(1, len(raw_ids)):
+        assert close(lp["token_logprobs"][p], float(raw_logprobs[p - 1, raw_ids[p]])), p
+    chunks = [c.model_dump()["choices"][0] for c in http.completions.create(**body, stream=True) if c.choices]
+    assert "".join(c["text"] for c in chunks) == PROMPT
+    assert [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]] == lp["tokens"]
+    assert chunks[-1]["finish_reason"] == choice["finish_reason"]
+
+
 def assert_json_prompt_logprobs(got: list, ids: list[int], logprobs: torch.Tensor, k: int) -> None:
     assert got is not None and len(got) == len(ids) and got[0] is None
     for p, entry in enumerate(got[1:]):

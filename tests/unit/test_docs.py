@@ -67,6 +67,8 @@ EXTERNAL_NAMES = {
     "all_stop_token_ids": "vLLM's SamplingParams field that min_tokens holds back",
     "maybe_filter_parallel_tool_calls": "vLLM's parallel_tool_calls: false, named for comparison",
     "VLLM_MAX_N_SEQUENCES": "vLLM's bound on n, named for comparison",
+    "echo_without_generation": "vLLM's completions echo with max_tokens 0, named for comparison",
+    "_parse_chat_message_content_mm_part": "vLLM's chat content part parser, named for comparison",
     "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "vLLM's bound on its teardown, --close-timeout-s' counterpart",
 }
 """Code names the docs cite that are not epd's (nor used by it)."""

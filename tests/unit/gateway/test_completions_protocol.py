@@ -145,3 +145,26 @@ def test_grpc_and_the_sdk_send_a_raw_prompt_alone():
         build_header("q", 0, "", {"prompt": "once"})
     with pytest.raises(TypeError, match="prompt must be a string or a list of token ids"):
         build_header(None, 0, "", {"prompt": 5})
+
+
+def test_echo_with_max_tokens_0_answers_the_prompt_alone():
+    """vLLM's echo without generation (lm-evaluation-harness's loglikelihood requests): max_tokens 0
+    with echo was a 400 ("must be an integer from 1"). One token is generated, as vLLM's, and the
+    answer is the prompt's text and its logprobs alone; without echo, 0 is still a 400."""
+    from epd.model_runtime.logprobs import TokenLogprob
+
+    request = parse(prompt="hi", echo=True, max_tokens=0, logprobs=1)
+    assert request.echo_only and request.generation.max_new_tokens == 1
+    assert request.generation.prompt_logprobs == 1  # the prompt's, as echo with logprobs asks
+    prompt = [TokenLogprob(3, "h", 0.0), TokenLogprob(4, "i", -1.5)]
+    summary = AskSummary(
+        "r1", " x", [9], "length", 0, 0, 2, {}, 0, False, "", [],
+        logprobs=[TokenLogprob(9, " x", -0.5)], prompt_logprobs=prompt,
+    )  # fmt: skip
+    choice = text_completion_body(summary, request, created=1)["choices"][0]
+    assert choice["text"] == "hi" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == ["h", "i"]
+    assert not parse(prompt="hi", echo=True, max_tokens=1).echo_only
+    for body in ({"max_tokens": 0}, {"max_tokens": False, "echo": True}):
+        with pytest.raises(InvalidRequest, match="'max_tokens' must be an integer from 1"):
+            parse(prompt="hi", **body)

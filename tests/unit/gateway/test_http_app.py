@@ -450,6 +450,49 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk():
     assert all("usage" not in c for c in _stream_chunks({"continuous_usage_stats": True}))
 
 
+class _TwoChoicePipeline(Pipeline):
+    """Answers with two choices: choice 0 one token then two, choice 1 three tokens at once."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None, None)  # type: ignore[arg-type]  # no stage: ask is the fake's
+
+    async def ask(self, req):  # type: ignore[override]
+        from epd.gateway.pipeline import ChoiceSummary
+        from epd.stages.contracts import StageEvent, TokenStep
+        from epd.stages.names import Stage
+
+        yield StageEvent(Stage.PREFILL, "finished", 1.0, {"num_prompt_tokens": "30"})
+        yield TokenStep([5], "a", index=0)
+        yield TokenStep([8, 9, 10], "xyz", index=1)
+        yield TokenStep([6, 7], "bc", index=0)
+        summary = _summary([5, 6, 7], "abc", 30)
+        summary.choices = [
+            ChoiceSummary(0, "abc", [5, 6, 7], "length"),
+            ChoiceSummary(1, "xyz", [8, 9, 10], "length"),
+        ]
+        yield summary
+
+
+def test_continuous_usage_counts_each_chunks_own_choice():
+    """With n > 1 each chunk's completion_tokens summed every choice's tokens so far (1, 4, 6), where
+    vLLM's chat and completions stream count the chunk's own choice (`previous_num_tokens[i]`);
+    the final usage chunk sums them, as vLLM's."""
+    import json
+
+    body = {
+        "messages": [{"role": "user", "content": "q"}],
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    text = _post_chat(_TwoChoicePipeline(), body)
+    chunks = [json.loads(e.removeprefix("data: ")) for e in text.split("\n\n") if e and e != "data: [DONE]"]
+    counts = [(c["choices"][0]["index"], c["usage"]["completion_tokens"]) for c in chunks if c["choices"]]
+    assert counts == [(0, 0), (1, 0), (0, 1), (1, 3), (0, 3), (0, 3), (1, 3)], counts
+    assert all(c["usage"]["total_tokens"] == 30 + c["usage"]["completion_tokens"] for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
 def test_a_local_files_bytes_are_held_on_the_requests_ticket(tmp_path):
     """They were held outside the body budget: requests naming large files (or URLs) in small
     bodies were never refused for it."""

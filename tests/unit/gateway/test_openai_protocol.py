@@ -170,6 +170,32 @@ def test_a_text_part_without_string_text_says_so():
             parse(b)
 
 
+def test_the_part_spellings_vllms_chat_reads_too():
+    """vLLM's chat reads the Responses API's input_text / output_text / input_image parts, a
+    refusal part as text, and a media part without "type" (`_parse_chat_message_content_mm_part`):
+    each was a 400 ("unsupported content part")."""
+    messages = [
+        {"role": "system", "content": [{"type": "input_text", "text": "be brief"}]},
+        {"role": "user", "content": [{"type": "input_image", "image_url": "data:i"}, {"type": "input_text", "text": "q"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "a"}, {"type": "refusal", "refusal": "no"}]},
+        {"role": "user", "content": "and?"},
+    ]  # fmt: skip
+    req = parse({"model": MODEL, "messages": messages})
+    assert (req.media_url, req.modality) == ("data:i", "image")
+    assert req.messages[:2] == [Message.system("be brief"), Message.user(IMAGE, "q")]
+    assert [(p.type, p.text) for p in req.messages[2].parts] == [("text", "a"), ("text", "no")]
+    for part, url, modality in (
+        ({"video_url": {"url": "data:v"}}, "data:v", "video"),
+        ({"image_url": "data:w"}, "data:w", "image"),
+    ):
+        req = parse({"model": MODEL, "messages": [{"role": "user", "content": [part]}]})
+        assert (req.media_url, req.modality) == (url, modality)
+    with pytest.raises(InvalidRequest, match=r"a refusal part of messages\[0\] needs its text"):
+        parse({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "refusal", "text": "x"}]}]})
+    with pytest.raises(InvalidRequest, match="unsupported content part None"):
+        parse({"model": MODEL, "messages": [{"role": "user", "content": [{"audio_url": "x"}]}]})
+
+
 def test_an_earlier_turn_with_a_deprecated_function_call_is_refused_not_dropped():
     """An assistant turn of a call (content null) was taken as an empty answer: the model saw
     a conversation in which it had said nothing. OpenAI's deprecated `function_call` is still
