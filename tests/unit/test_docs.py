@@ -874,3 +874,46 @@ def test_the_vllm_guide_names_an_epd_metric_for_each_of_vllms():
         name for row in rows for name in re.findall(r"\bepd_[a-z0-9_]+\b", row[1]) if name not in exposed
     ]
     assert not wrong, f"{VLLM_GUIDE}'s metrics table: no such epd metric for {wrong}"
+
+
+def test_the_security_docs_fuzzing_names_every_stage_rpc():
+    """docs/security.md's "Fuzzing" lists the stage RPCs the fuzz test calls directly: every RPC of
+    the encoder, prefill and decode services, as the test's STAGE_CALLS has them (the list kept
+    five after prefill's GetModelInfo, Tokenize, Detokenize and CompileStructuredOutputs were
+    fuzzed too)."""
+    _, services = proto_messages_and_services()
+    stage_rpcs = services["EncoderService"] | services["PrefillService"] | services["DecodeService"]
+    fuzzed = set(re.findall(r'Stub, "(\w+)"', read("tests/integration/test_fuzz_front_doors.py")))
+    listed = re.search(
+        r"each stage's own RPCs called directly: (.*?), with messages",
+        " ".join(read("docs/security.md").split()),
+    )
+    assert listed, "docs/security.md no longer lists the fuzzed stage RPCs where this test reads them"
+    assert fuzzed == stage_rpcs, f"the fuzz test's STAGE_CALLS: {sorted(fuzzed ^ stage_rpcs)}"
+    assert set(quoted_names(listed.group(1))) == stage_rpcs, sorted(
+        set(quoted_names(listed.group(1))) ^ stage_rpcs
+    )
+
+
+def test_the_gateways_memory_at_the_prompt_logprobs_bound_is_the_codes():
+    """The gateway's memory for one answer at `MAX_PROMPT_LOGPROB_ENTRIES`, as its docstring gives it
+    (measured: docs/benchmarks.md), is what every doc that gives it says (docs/security.md and
+    docs/from-vllm.md kept 320 MiB, 640 bytes an entry, after the pieces were kept as protobuf)."""
+    stated = re.search(
+        r"about (\d+) bytes\s+an entry, so (\d+) MiB at this bound", read("epd/model_runtime/logprobs.py")
+    )
+    assert stated, "MAX_PROMPT_LOGPROB_ENTRIES' docstring no longer gives the memory where this test reads it"
+    per_entry, total = stated.groups()
+    prose = {doc: " ".join(read(doc).split()) for doc in ("README.md", "docs/security.md", VLLM_GUIDE)}
+    at_bound = r"524,288 (?:entries )?\((?:what the gateway holds for one answer, |the gateway's memory for one answer, )?"
+    found = {(doc, "MiB"): re.findall(at_bound + r"about (\d+) MiB", text) for doc, text in prose.items()}
+    found["docs/architecture.md", "MiB"] = re.findall(
+        r"so about (\d+) MiB at its peak", read("docs/architecture.md")
+    )
+    found["docs/security.md", "bytes an entry"] = re.findall(
+        r"\(about (\d+) bytes an entry at the peak\)", prose["docs/security.md"]
+    )
+    assert all(found.values()), f"a doc no longer gives the figure where this test reads it: {found}"
+    code = {"MiB": total, "bytes an entry": per_entry}
+    wrong = {where: sizes for where, sizes in found.items() if set(sizes) != {code[where[1]]}}
+    assert not wrong, f"the code says {per_entry} bytes an entry, {total} MiB: {wrong}"
