@@ -917,3 +917,16 @@ def test_the_gateways_memory_at_the_prompt_logprobs_bound_is_the_codes():
     code = {"MiB": total, "bytes an entry": per_entry}
     wrong = {where: sizes for where, sizes in found.items() if set(sizes) != {code[where[1]]}}
     assert not wrong, f"the code says {per_entry} bytes an entry, {total} MiB: {wrong}"
+
+
+def test_the_errors_section_names_every_status_the_one_mapping_gives():
+    """docs/architecture.md's "Errors" says which domain errors become which gRPC status: every
+    status `epd.transport.errors` maps one to is there (PERMISSION_DENIED, a media URL or path the
+    server refuses, was missing)."""
+    from epd.transport.errors import _CODES
+
+    section = re.search(r"\n## Errors\n(.*?)\n## ", read("docs/architecture.md"), re.S)
+    assert section, 'docs/architecture.md has no "Errors" section where this test reads it'
+    named = set(re.findall(r"\b[A-Z][A-Z_]+\b", section.group(1)))
+    missing = sorted({code.name for _, code in _CODES} - named)
+    assert not missing, f"docs/architecture.md's Errors section does not name {missing}"
