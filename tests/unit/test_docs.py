@@ -930,3 +930,22 @@ def test_the_errors_section_names_every_status_the_one_mapping_gives():
     named = set(re.findall(r"\b[A-Z][A-Z_]+\b", section.group(1)))
     missing = sorted({code.name for _, code in _CODES} - named)
     assert not missing, f"docs/architecture.md's Errors section does not name {missing}"
+
+
+def test_the_readme_lists_every_gateway_flag_epd_serve_passes_on():
+    """README.md's list of the gateway's flags `epd serve` takes too (those of `epd serve gateway`
+    that no stage has) names each: it left out the API key's and the web demo's."""
+    parsers = epd_parsers()
+    stages = set().union(*(flags_of(parsers[f"epd serve {r}"]) for r in ("encoder", "prefill", "decode")))
+    passed_on = (flags_of(parsers["epd serve"]) & flags_of(parsers["epd serve gateway"])) - stages
+    text = " ".join(read("README.md").split())
+    listed = re.search(r"`epd serve` \(the stack or `--colocate`, (.*?)`epd serve gateway`'s alone", text)
+    assert listed, "README.md no longer lists the gateway flags `epd serve` takes where this test reads them"
+    described = {
+        "--http-port": "port 8000 by default",
+        "--allowed-local-media-path": "the media flags below",
+        "--allowed-media-domains": "the media flags below",
+    }
+    assert all(words in listed.group(1) for words in described.values()), listed.group(1)
+    missing = sorted(passed_on - set(FLAG.findall(listed.group(1))) - set(described))
+    assert not missing, f"README.md does not say `epd serve` takes {missing}"
