@@ -949,3 +949,15 @@ def test_the_readme_lists_every_gateway_flag_epd_serve_passes_on():
     assert all(words in listed.group(1) for words in described.values()), listed.group(1)
     missing = sorted(passed_on - set(FLAG.findall(listed.group(1))) - set(described))
     assert not missing, f"README.md does not say `epd serve` takes {missing}"
+
+
+def test_the_cross_site_post_refusal_names_every_route_it_guards():
+    """docs/architecture.md says which POSTs a page of another site may not make: every route that
+    reads a body (`BODY_ROUTES`), which the guard covers (it named chat and /demo/frames alone)."""
+    from epd.gateway.web.routes import BODY_ROUTES
+
+    text = " ".join(read("docs/architecture.md").split())
+    stated = re.search(r"A POST to (.*?) that a browser says comes from a page of another site", text)
+    assert stated, "docs/architecture.md no longer says which POSTs the browser guard refuses"
+    named = set(re.findall(r"`(/[\w/]+)`", stated.group(1)))
+    assert named == set(BODY_ROUTES), sorted(named ^ set(BODY_ROUTES))
