@@ -961,3 +961,14 @@ def test_the_cross_site_post_refusal_names_every_route_it_guards():
     assert stated, "docs/architecture.md no longer says which POSTs the browser guard refuses"
     named = set(re.findall(r"`(/[\w/]+)`", stated.group(1)))
     assert named == set(BODY_ROUTES), sorted(named ^ set(BODY_ROUTES))
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/security.md"])
+def test_the_api_keys_guarded_paths_are_the_codes(doc):
+    """The paths the API key guards, as a doc lists them, are `KEYED_PATH_PREFIXES`."""
+    from epd.gateway.http_api import KEYED_PATH_PREFIXES
+
+    stated = re.search(r"under ((?:`/\w+`, )+`/\w+`)", " ".join(read(doc).split()))
+    assert stated, f"{doc} no longer lists the paths the API key guards where this test reads them"
+    named = set(re.findall(r"`(/\w+)`", stated.group(1)))
+    assert named == set(KEYED_PATH_PREFIXES), sorted(named ^ set(KEYED_PATH_PREFIXES))
