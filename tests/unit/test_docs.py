@@ -876,3 +876,101 @@ def test_the_vllm_guide_names_an_epd_metric_for_each_of_vllms():
         name for row in rows for name in re.findall(r"\bepd_[a-z0-9_]+\b", row[1]) if name not in exposed
     ]
     assert not wrong, f"{VLLM_GUIDE}'s metrics table: no such epd metric for {wrong}"
+
+
+def test_the_security_docs_fuzzing_names_every_stage_rpc():
+    """docs/security.md's "Fuzzing" lists the stage RPCs the fuzz test calls directly: every RPC of
+    the encoder, prefill and decode services, as the test's STAGE_CALLS has them (the list kept
+    five after prefill's GetModelInfo, Tokenize, Detokenize and CompileStructuredOutputs were
+    fuzzed too)."""
+    _, services = proto_messages_and_services()
+    stage_rpcs = services["EncoderService"] | services["PrefillService"] | services["DecodeService"]
+    fuzzed = set(re.findall(r'Stub, "(\w+)"', read("tests/integration/test_fuzz_front_doors.py")))
+    listed = re.search(
+        r"each stage's own RPCs called directly: (.*?), with messages",
+        " ".join(read("docs/security.md").split()),
+    )
+    assert listed, "docs/security.md no longer lists the fuzzed stage RPCs where this test reads them"
+    assert fuzzed == stage_rpcs, f"the fuzz test's STAGE_CALLS: {sorted(fuzzed ^ stage_rpcs)}"
+    assert set(quoted_names(listed.group(1))) == stage_rpcs, sorted(
+        set(quoted_names(listed.group(1))) ^ stage_rpcs
+    )
+
+
+def test_the_gateways_memory_at_the_prompt_logprobs_bound_is_the_codes():
+    """The gateway's memory for one answer at `MAX_PROMPT_LOGPROB_ENTRIES`, as its docstring gives it
+    (measured: docs/benchmarks.md), is what every doc that gives it says (docs/security.md and
+    docs/from-vllm.md kept 320 MiB, 640 bytes an entry, after the pieces were kept as protobuf)."""
+    stated = re.search(
+        r"about (\d+) bytes\s+an entry, so (\d+) MiB at this bound", read("epd/model_runtime/logprobs.py")
+    )
+    assert stated, "MAX_PROMPT_LOGPROB_ENTRIES' docstring no longer gives the memory where this test reads it"
+    per_entry, total = stated.groups()
+    prose = {doc: " ".join(read(doc).split()) for doc in ("README.md", "docs/security.md", VLLM_GUIDE)}
+    at_bound = r"524,288 (?:entries )?\((?:what the gateway holds for one answer, |the gateway's memory for one answer, )?"
+    found = {(doc, "MiB"): re.findall(at_bound + r"about (\d+) MiB", text) for doc, text in prose.items()}
+    found["docs/architecture.md", "MiB"] = re.findall(
+        r"so about (\d+) MiB at its peak", read("docs/architecture.md")
+    )
+    found["docs/security.md", "bytes an entry"] = re.findall(
+        r"\(about (\d+) bytes an entry at the peak\)", prose["docs/security.md"]
+    )
+    assert all(found.values()), f"a doc no longer gives the figure where this test reads it: {found}"
+    code = {"MiB": total, "bytes an entry": per_entry}
+    wrong = {where: sizes for where, sizes in found.items() if set(sizes) != {code[where[1]]}}
+    assert not wrong, f"the code says {per_entry} bytes an entry, {total} MiB: {wrong}"
+
+
+def test_the_errors_section_names_every_status_the_one_mapping_gives():
+    """docs/architecture.md's "Errors" says which domain errors become which gRPC status: every
+    status `epd.transport.errors` maps one to is there (PERMISSION_DENIED, a media URL or path the
+    server refuses, was missing)."""
+    from epd.transport.errors import _CODES
+
+    section = re.search(r"\n## Errors\n(.*?)\n## ", read("docs/architecture.md"), re.S)
+    assert section, 'docs/architecture.md has no "Errors" section where this test reads it'
+    named = set(re.findall(r"\b[A-Z][A-Z_]+\b", section.group(1)))
+    missing = sorted({code.name for _, code in _CODES} - named)
+    assert not missing, f"docs/architecture.md's Errors section does not name {missing}"
+
+
+def test_the_readme_lists_every_gateway_flag_epd_serve_passes_on():
+    """README.md's list of the gateway's flags `epd serve` takes too (those of `epd serve gateway`
+    that no stage has) names each: it left out the API key's and the web demo's."""
+    parsers = epd_parsers()
+    stages = set().union(*(flags_of(parsers[f"epd serve {r}"]) for r in ("encoder", "prefill", "decode")))
+    passed_on = (flags_of(parsers["epd serve"]) & flags_of(parsers["epd serve gateway"])) - stages
+    text = " ".join(read("README.md").split())
+    listed = re.search(r"`epd serve` \(the stack or `--colocate`, (.*?)`epd serve gateway`'s alone", text)
+    assert listed, "README.md no longer lists the gateway flags `epd serve` takes where this test reads them"
+    described = {
+        "--http-port": "port 8000 by default",
+        "--allowed-local-media-path": "the media flags below",
+        "--allowed-media-domains": "the media flags below",
+    }
+    assert all(words in listed.group(1) for words in described.values()), listed.group(1)
+    missing = sorted(passed_on - set(FLAG.findall(listed.group(1))) - set(described))
+    assert not missing, f"README.md does not say `epd serve` takes {missing}"
+
+
+def test_the_cross_site_post_refusal_names_every_route_it_guards():
+    """docs/architecture.md says which POSTs a page of another site may not make: every route that
+    reads a body (`BODY_ROUTES`), which the guard covers (it named chat and /demo/frames alone)."""
+    from epd.gateway.web.routes import BODY_ROUTES
+
+    text = " ".join(read("docs/architecture.md").split())
+    stated = re.search(r"A POST to (.*?) that a browser says comes from a page of another site", text)
+    assert stated, "docs/architecture.md no longer says which POSTs the browser guard refuses"
+    named = set(re.findall(r"`(/[\w/]+)`", stated.group(1)))
+    assert named == set(BODY_ROUTES), sorted(named ^ set(BODY_ROUTES))
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/security.md"])
+def test_the_api_keys_guarded_paths_are_the_codes(doc):
+    """The paths the API key guards, as a doc lists them, are `KEYED_PATH_PREFIXES`."""
+    from epd.gateway.http_api import KEYED_PATH_PREFIXES
+
+    stated = re.search(r"under ((?:`/\w+`, )+`/\w+`)", " ".join(read(doc).split()))
+    assert stated, f"{doc} no longer lists the paths the API key guards where this test reads them"
+    named = set(re.findall(r"`(/\w+)`", stated.group(1)))
+    assert named == set(KEYED_PATH_PREFIXES), sorted(named ^ set(KEYED_PATH_PREFIXES))
