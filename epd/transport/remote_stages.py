@@ -317,7 +317,9 @@ class ReplicaPool:
                 if not replica_lost(exc) and not hung:
                     raise stage_error(exc, stage, request_id) from None
                 self.mark_failed(address, hung)
-                what = f"did not answer in {try_timeout_s:.1f} s" if hung else f"unavailable ({exc.details()})"
+                what = (
+                    f"did not answer in {try_timeout_s:.1f} s" if hung else f"unavailable ({exc.details()})"
+                )
                 tries = self.still_listed(tries)  # the list may have changed during the try
                 if not tries or end_at - loop.time() <= 0:
                     log.warning(
