@@ -1146,6 +1146,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(the HTTP API's /v1/completions): tokenised as the model's tokenizer(TEXT), no media",
     )
     ask.add_argument("--endpoint", default="", help="HOST:PORT of a running gateway; default: embedded")
+    ask.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="the deadline of each question, as the OpenAI client's timeout: every stage drops its "
+        "work when it passes, and epd ask says so and exits 124 (default: none embedded; with "
+        "--endpoint, the SDK's 600 s, the gRPC call's deadline)",
+    )
     ask.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     ask.add_argument(
         "--api-key",
@@ -1499,7 +1508,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "ask":
         from epd.cli.ask import run_ask
 
-        return run_ask(args)
+        code = run_ask(args)  # printed, flushed, its pipeline closed
+        if argv is None:  # the command's own process (`epd.cli.process_exit`), as `epd serve`'s
+            from epd.cli.process_exit import exit_now
+
+            exit_now(code)
+        return code
     if args.command == "bench":
         if args.suite == "serve":
             from epd.bench.serve import main as bench_main
