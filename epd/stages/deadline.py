@@ -13,7 +13,8 @@ serve --colocate`'s gateway, or any code that sets it around `Pipeline.ask`), ch
 deadline. gRPC ends a stage's handler at that deadline by itself, so its work is freed even when
 the gateway's cancel does not reach it (a gateway stalled, or a cancel lost as a call starts).
 Tasks started from the request's task inherit the deadline (contextvars), as they inherit its id
-(`epd.transport.tracing`). No gRPC here.
+(`epd.stages.request_id`); work done for several requests, an encode others wait on, runs with
+none (`shared_work_context`: no one client's deadline ends it). No gRPC here.
 
 Clean-ups that must outlive the client (a KV cache's release) do not read it: they keep their
 own timeout.
