@@ -190,4 +190,4 @@ def test_an_embedded_pipelines_prefill_refuses_the_render_at_its_clients_deadlin
     renders = [
         r.getMessage() for r in caplog.records if "the render of request late-embedded" in r.getMessage()
     ]
-    assert len(renders) == 1 and "its client's deadline passed" in renders[0], renders
+    assert len(renders) == 1 and "its call's deadline passed" in renders[0], renders
