@@ -57,7 +57,7 @@ import torch
 
 from epd.encoder_svc.config import EncoderConfig
 from epd.encoder_svc.pruning import encode_stage_pruning
-from epd.encoder_svc.single_flight import Interest, SingleFlight
+from epd.encoder_svc.single_flight import Interest, SingleFlight, flight_id
 from epd.encoder_svc.token_cache import TokenCache, make_cache_key
 from epd.model_runtime.adapter import VisionInputs, VisualFeatures, VisualMeta, VLMAdapter
 from epd.stages.contracts import (
@@ -70,6 +70,7 @@ from epd.stages.contracts import (
 )
 from epd.stages.errors import InvalidRequest, NotFound, ResourceExhausted
 from epd.stages.names import Stage
+from epd.stages.request_id import shared_work_context
 from epd.token_pruning import PruningConfig, PruningStats
 from epd.video.decord_backend import DecordDecoder
 from epd.video.parallel_decoder import CLOSE_WAIT_S as PARALLEL_CLOSE_WAIT_S
@@ -282,7 +283,9 @@ class EncoderEngine:
         flight, shared = self.flights.join(
             key,
             req.check_cancelled,
-            lambda: log.info("waiting for the encode of media %s in flight", sha256[:12]),
+            lambda: log.info(
+                "waiting for the encode of media %s in flight (%s)", sha256[:12], flight_id(key)
+            ),
             interest,
         )
         if flight is None:
@@ -303,8 +306,20 @@ class EncoderEngine:
                 raise NotFound(
                     f"media {sha256[:12]}... with these sampling options is not cached here; send the file itself"
                 )
-            log.info("decoding and encoding media %s (%d bytes): not cached", sha256[:12], len(media.data))
-            out = self._decode_and_encode(req, media.data, sha256, sampling, on_event, pruning, cache_salt)
+            log.info(
+                "decoding and encoding media %s (%d bytes): not cached; as %s, for this request and any "
+                "that come to wait on it",
+                sha256[:12],
+                len(media.data),
+                flight.id,
+            )
+            # In the flight's own context, not this request's: the work outlives the request while
+            # others wait on it, so its log lines name the flight and no client's deadline ends it
+            # (`single_flight`); priority and tower job ids follow `Flight.runs_for` as before.
+            work = shared_work_context(flight.id)
+            out = work.run(
+                self._decode_and_encode, req, media.data, sha256, sampling, on_event, pruning, cache_salt
+            )
             self.cache.put(key, out, {SOURCE_DURATION_FACT: req.source_duration_s})
             return out
         finally:

@@ -21,6 +21,13 @@ does not hold back a high-priority request waiting on it (before, the jobs kept 
 priority and id to the end, even after the leader left), and a high-priority leader that left no
 longer boosts the low-priority requests left waiting.
 
+The work is no single request's, so it does not run as its leader's: its thread runs it in a
+context of its own (`epd.stages.request_id.shared_work_context`, `EncoderEngine.encode`), under
+the flight's id (`Flight.id`, in its log lines, and those of the tower jobs it submits) and
+without any client's deadline (`epd.stages.deadline`). Before, it ran in its leader's context: its
+log lines named the leader after it had left, and the leader's deadline would have ended work that
+requests waiting on it, with deadlines of their own, still needed.
+
 If the work fails, its waiters do not inherit that: one of them takes the work over (the next to
 `join`), the others wait for it in turn. A waiter that is itself cancelled stops waiting within
 `poll_s`.
@@ -35,12 +42,20 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 
 
+def flight_id(key: str) -> str:
+    """The name of the work on `key` in log lines (a cache key is a sha256 in hex: its first 16
+    characters): its leader's say "... as flight-KEY", waiters' "... in flight (flight-KEY)", and
+    the work's own carry it as their request id (`EncoderEngine.encode`)."""
+    return f"flight-{key[:16]}"
+
+
 class Flight(Generic[T]):
     """The work on one key, led by one request; `land` always ends it (result or None)."""
 
     def __init__(self, owner: SingleFlight[T], key: str) -> None:
         self.owner = owner
         self.key = key
+        self.id = flight_id(key)
         self.result: T | None = None
         self.leader: Interest | None = None
         """The request that does the work (`Interest.lead`); it stays set after its caller left."""

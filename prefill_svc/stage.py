@@ -226,7 +226,7 @@ class LocalPrefillStage(PrefillStage):
         # (`VLMAdapter.settle_tokenizer`), so the threads only read it, at once if they like, and
         # no copy is kept (a prefill process holds 46-141 MiB less with a Qwen2-sized vocabulary;
         # docs/benchmarks.md). Calls beyond the threads queue there, in arrival order. Checked as
-        # a prompt's render is (`_render`): its client's deadline and its caller leaving.
+        # a prompt's render is (`_render`): its deadline and its caller leaving.
         return await self._render(
             functools.partial(self.engine.tokenize, request),
             request_id,
@@ -246,8 +246,13 @@ class LocalPrefillStage(PrefillStage):
         tokenizer thread, stopped between its steps once nobody waits for it: cancelling the await
         drops a render not started and stops one in progress at its next step
         (`RenderOptions.checkpoint`: a chat template's render in progress runs to its end); a
-        render whose client deadline (`epd.stages.deadline`) passed while it waited for a thread
-        is refused unrendered, and one in progress stops at its next step, both DeadlineExceeded."""
+        render whose deadline (`epd.stages.deadline`) passed while it waited for a thread is
+        refused unrendered, and one in progress stops at its next step, both DeadlineExceeded.
+        That deadline is its call's, not always its client's: in a prefill server, the gRPC call's
+        (`PrefillServicer`), the sooner of the gateway's client's deadline and the gateway's bound
+        on one attempt (`ReplicaPool.call`: `stage_timeout_s`, --stage-attempt-timeout); in an
+        embedded pipeline, the one its caller set (`epd ask --timeout`, `epd serve --colocate`'s
+        gRPC front door)."""
         turn = _RenderTurn(request_id, client_deadline())
 
         def checked() -> T:
@@ -255,7 +260,7 @@ class LocalPrefillStage(PrefillStage):
                 turn.check()
             except DeadlineExceeded:
                 log.info(
-                    "the render of request %s was refused unrendered: its client's deadline passed while "
+                    "the render of request %s was refused unrendered: its call's deadline passed while "
                     "it waited for a thread",
                     request_id,
                 )
@@ -269,7 +274,7 @@ class LocalPrefillStage(PrefillStage):
                 raise
             except DeadlineExceeded:
                 log.info(
-                    "the render of request %s stopped between its steps: its client's deadline passed",
+                    "the render of request %s stopped between its steps: its call's deadline passed",
                     request_id,
                 )
                 raise

@@ -34,21 +34,33 @@ progress on stderr, with --logprobs K / --prompt-logprobs K a table per token af
 logprob and the K most likely tokens'), then a timings line; with --json one object per turn and line,
 `AskResult.to_dict()` (the field names of the HTTP API's `epd` object), plus `notice` for the
 demo model and, in a conversation, `turn` (from 1) and `question`.
+
+`--timeout SECONDS` is the client's deadline of each question (each turn), as the OpenAI client's
+`timeout`: embedded, the pipeline's stages get it as the request's client deadline
+(`epd.stages.deadline`) and the question is cancelled when it passes; against --endpoint, it is
+the SDK's `timeout_s`, the gRPC call's deadline, which the gateway passes on to every stage. When
+it passes: one line saying what to raise, exit status EXIT_TIMEOUT.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+EXIT_TIMEOUT = 124
+"""`epd ask`'s exit status when a question's --timeout passed before its answer ended (GNU
+timeout's). The others: 0 answered, 1 a server's error, 2 a bad flag or input, 3 a model that cannot
+be loaded (embedded), 130 Ctrl-C, 141 (128 + SIGPIPE) the answer's reader closed the pipe."""
 
 if TYPE_CHECKING:
     from epd.cli.ask_tools import AskTools
@@ -130,6 +142,9 @@ def _run_ask(
     except KeyboardInterrupt:  # Ctrl-C ends an --interactive session; the answers are printed
         print(file=sys.stderr)
         return 130
+    except AskTimedOut as exc:  # the question's deadline, the user's to change (--timeout)
+        print(f"epd: {exc}", file=sys.stderr)
+        return EXIT_TIMEOUT
     except BrokenPipeError:  # `epd ask ... | head -1`: the reader has gone, nothing failed
         return _reader_gone()
     except EpdError as exc:  # the server's status and message
@@ -342,14 +357,72 @@ async def _questions(args: argparse.Namespace) -> AsyncIterator[str]:
         yield line.strip()
 
 
+class AskTimedOut(Exception):
+    """A question's --timeout passed before its answer ended (`_within_timeout`)."""
+
+    def __init__(self, timeout_s: float, given: bool) -> None:
+        where = "--timeout" if given else "the SDK's default deadline with --endpoint; --timeout sets it"
+        super().__init__(
+            f"no answer within {timeout_s:g} s ({where}): raise --timeout, or ask for less "
+            "(fewer --max-new-tokens, --num-frames or --max-frames)"
+        )
+
+
+async def _within_timeout(
+    stream: AsyncGenerator[StreamEvent, None], timeout_s: float | None, given: bool
+) -> AsyncGenerator[StreamEvent, None]:
+    """One question's `stream`, ended by AskTimedOut once `timeout_s` has passed since it began
+    (None: no deadline). It is the request's client deadline for the stages it runs in this
+    process (`set_client_deadline`: their tasks inherit it; prefill's render checks read it), and
+    at the deadline the stream is cancelled, as gRPC ends a front door's call (embedded mode has
+    none to end it); a remote stream's SDK call carries it as its gRPC deadline itself, and its
+    DEADLINE_EXCEEDED once it passed is the same AskTimedOut. `given`: by --timeout (the message
+    says so), not the SDK's default."""
+    from epd.client import EpdError
+    from epd.client.client import DEADLINE_CLOCK_SLACK_S
+    from epd.stages.deadline import set_client_deadline
+    from epd.stages.errors import DeadlineExceeded
+
+    if timeout_s is None:
+        async with contextlib.aclosing(stream):
+            async for item in stream:
+                yield item
+        return
+    end_at = time.monotonic() + timeout_s
+    set_client_deadline(timeout_s)
+    async with contextlib.aclosing(stream):  # at the deadline: its stage calls cancelled now
+        while True:
+            limit = asyncio.timeout(max(0.0, end_at - time.monotonic()))
+            try:
+                async with limit:
+                    item = await anext(stream)
+            except StopAsyncIteration:
+                return
+            except Exception as exc:
+                # Ours: the timer fired (whatever the cancelled stream raised), or a stage or the
+                # SDK saw the same deadline pass a moment before the timer.
+                late = time.monotonic() >= end_at - DEADLINE_CLOCK_SLACK_S
+                deadline_error = isinstance(exc, DeadlineExceeded) or (
+                    isinstance(exc, EpdError) and exc.code.name == "DEADLINE_EXCEEDED"
+                )
+                if limit.expired() or (late and deadline_error):
+                    raise AskTimedOut(timeout_s, given) from None
+                raise
+            yield item
+
+
 async def _print_turns(
     args: argparse.Namespace,
-    turns: AsyncIterator[tuple[str, AsyncIterator[StreamEvent]]],
+    turns: AsyncIterator[tuple[str, AsyncGenerator[StreamEvent, None]]],
     notice: str,
     tools: AskTools | None = None,
+    timeout_s: float | None = None,
+    timeout_given: bool = True,
 ) -> None:
     """Run each turn's stream, showing it as it comes, then print its result. With `tools` that
-    read the answer for calls, the answer is shown once whole: its content, then its calls."""
+    read the answer for calls, the answer is shown once whole: its content, then its calls.
+    `timeout_s`: each turn's deadline (`_within_timeout`; None: none), `timeout_given` by --timeout
+    (else the SDK's default)."""
     from epd.client import AskResult, StageEvent, TokenDelta
 
     number = 0
@@ -360,18 +433,25 @@ async def _print_turns(
         # event), stage lines wait for its end, so they do not cut it in two on a terminal.
         answering = False
         held: list[StageEvent] = []
-        async for item in stream:
-            if isinstance(item, StageEvent):
-                if answering:
-                    held.append(item)
-                else:
-                    _progress(item.stage, item.state, item.duration_ms, args.json)
-            elif isinstance(item, TokenDelta):
-                quiet = args.json or (tools is not None and tools.parses)  # its calls read once it is whole
-                answering = answering or (bool(item.text) and not quiet)
-                _emit_text(item.text, quiet)
-            elif isinstance(item, AskResult):
-                result = item
+        items = _within_timeout(stream, timeout_s, timeout_given)
+        try:
+            async with contextlib.aclosing(items):  # a failed turn's call is cancelled now
+                async for item in items:
+                    if isinstance(item, StageEvent):
+                        if answering:
+                            held.append(item)
+                        else:
+                            _progress(item.stage, item.state, item.duration_ms, args.json)
+                    elif isinstance(item, TokenDelta):
+                        quiet = args.json or (tools is not None and tools.parses)  # its calls read once whole
+                        answering = answering or (bool(item.text) and not quiet)
+                        _emit_text(item.text, quiet)
+                    elif isinstance(item, AskResult):
+                        result = item
+        except AskTimedOut:
+            if answering:  # the answer's line ends before the message on stderr
+                print(flush=True)
+            raise
         if result is None:
             raise RuntimeError("the stream ended without a result")
         called = tools.answer(result) if tools is not None and tools.parses else None
@@ -492,7 +572,7 @@ async def _ask_embedded(
     if opened is not None:
         opened.append(pipeline)
 
-    async def turns() -> AsyncIterator[tuple[str, AsyncIterator[StreamEvent]]]:
+    async def turns() -> AsyncIterator[tuple[str, AsyncGenerator[StreamEvent, None]]]:
         if prompt is not None:
             yield "", _embedded_stream(args, pipeline, None, [], raw_prompt=RawPrompt(text=prompt))
             return
@@ -510,7 +590,7 @@ async def _ask_embedded(
             )
             history.add(question, answer[0])
 
-    await _print_turns(args, turns(), notice, tools)
+    await _print_turns(args, turns(), notice, tools, args.timeout)
 
 
 async def _embedded_stream(
@@ -522,7 +602,7 @@ async def _embedded_stream(
     raw_prompt: RawPrompt | None = None,
     template: ChatTemplateOptions | None = None,
     tools: AskTools | None = None,
-) -> AsyncIterator[StreamEvent]:
+) -> AsyncGenerator[StreamEvent, None]:
     """The embedded pipeline's answer as the SDK's stream events (what a remote turn yields);
     the answer's text is appended to `answer` for the caller's history. `raw_prompt`: instead
     of `messages` (then []). `template`: how the chat template ends `messages` (None: the defaults).
@@ -647,9 +727,13 @@ async def _ask_remote(
         client_key_path=args.tls_key,
         server_name_override=args.tls_server_name,
     )
-    async with AsyncEpdClient(args.endpoint, api_key=args.api_key, tls=bool(args.tls_ca), **tls) as client:
+    # --timeout: each question's gRPC deadline (the SDK's timeout_s; its default without the flag)
+    timeout: dict[str, Any] = {} if args.timeout is None else {"timeout_s": args.timeout}
+    async with AsyncEpdClient(
+        args.endpoint, api_key=args.api_key, tls=bool(args.tls_ca), **timeout, **tls
+    ) as client:
 
-        async def turns() -> AsyncIterator[tuple[str, AsyncIterator[StreamEvent]]]:
+        async def turns() -> AsyncIterator[tuple[str, AsyncGenerator[StreamEvent, None]]]:
             if prompt is not None:
                 yield "", client.stream(None, prompt=prompt, **options)
                 return
@@ -674,7 +758,7 @@ async def _ask_remote(
             async for question in _questions(args):
                 yield question, chat.stream(question)
 
-        await _print_turns(args, turns(), "", tools)
+        await _print_turns(args, turns(), "", tools, client.timeout_s, args.timeout is not None)
 
 
 def _say(text: str, quiet: bool) -> str:

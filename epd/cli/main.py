@@ -34,7 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "ask":
         from epd.cli.ask import run_ask
 
-        return run_ask(args)
+        code = run_ask(args)  # printed, flushed, its pipeline closed
+        if argv is None:  # the command's own process (`epd.cli.process_exit`), as `epd serve`'s
+            from epd.cli.process_exit import exit_now
+
+            exit_now(code)
+        return code
     if args.command == "bench":
         if args.suite == "serve":
             from epd.bench.serve import main as bench_main

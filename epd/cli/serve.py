@@ -31,9 +31,10 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 from epd.cli.health import health_answer, is_serving
+from epd.cli.process_exit import exit_now
 from epd.cli.supervisor import Replica, RestartPolicy, State, stage_lost
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     code = serve_role(args)
     _log_threads_left()
-    _exit_now(code)
+    exit_now(code)  # the service has drained and stopped (`epd.cli.process_exit`)
 
 
 def serve_role(args: argparse.Namespace) -> int:
@@ -311,16 +312,6 @@ def _log_threads_left() -> None:
     )
     if left:
         log.warning("threads still running after the service stopped: %s", ", ".join(left))
-
-
-def _exit_now(code: int) -> NoReturn:
-    """Leave without the interpreter's teardown. The service has drained and stopped; tearing
-    down torch and gRPC after that took 2.5-3.5 s per idle service (in C code, after atexit),
-    and would also wait for a model load still running on the model thread after a signal."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _die_with_parent(launcher_pid: int) -> None:

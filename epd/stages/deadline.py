@@ -5,7 +5,7 @@ A front door that knows when its client gives up (the gateway's gRPC calls: `Ask
 `Tokenize`) sets it here for the request's task (`set_client_deadline`); the calls the request
 makes to remote stages then last at most what the client has left
 (`timeout_within_client_deadline`), so each stage gets the client's deadline with its call, not
-only the gateway's `--stage-timeout-s`, and the local stages read it where they wait
+only the gateway's stage timeout (`GatewayConfig.stage_timeout_s`, no flag), and the local stages read it where they wait
 (`client_deadline`: prefill's render checkpoints refuse a render whose deadline passed while it
 waited for a thread). One shape for both: the prefill servicer sets its call's deadline here as
 the gateway does, so `LocalPrefillStage` behind it, and behind an embedded pipeline's caller (`epd
@@ -13,7 +13,8 @@ serve --colocate`'s gateway, or any code that sets it around `Pipeline.ask`), ch
 deadline. gRPC ends a stage's handler at that deadline by itself, so its work is freed even when
 the gateway's cancel does not reach it (a gateway stalled, or a cancel lost as a call starts).
 Tasks started from the request's task inherit the deadline (contextvars), as they inherit its id
-(`epd.transport.tracing`). No gRPC here.
+(`epd.stages.request_id`); work done for several requests, an encode others wait on, runs with
+none (`shared_work_context`: no one client's deadline ends it). No gRPC here.
 
 Clean-ups that must outlive the client (a KV cache's release) do not read it: they keep their
 own timeout.

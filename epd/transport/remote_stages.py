@@ -268,32 +268,32 @@ class ReplicaPool:
         attempt: Callable[[grpc.aio.Channel, float], Awaitable[T]],
         stage: str,
         request_id: str,
-        deadline_s: float,
+        timeout_s: float,
     ) -> T:
-        """`attempt(channel, timeout_s)` on the first choice for `key`; when a try fails with
+        """`attempt(channel, try_timeout_s)` on the first choice for `key`; when a try fails with
         UNAVAILABLE or hangs past `attempt_timeout_s`, again on the next healthy replica (a fresh
-        attempt: the caller rebuilds its request stream), each at most once, within `deadline_s`
-        in all, and within the time the request's client has left (`epd.stages.deadline`). Any
-        other failure, or the last try's, is the stage's error."""
+        attempt: the caller rebuilds its request stream), each at most once, within `timeout_s`
+        seconds in all, and within the time the request's client has left (`epd.stages.deadline`).
+        Any other failure, or the last try's, is the stage's error."""
         loop = asyncio.get_running_loop()
-        end_at = loop.time() + timeout_within_client_deadline(deadline_s)
+        end_at = loop.time() + timeout_within_client_deadline(timeout_s)
         tries = self.candidates(key)
         if not tries:
             raise self.nothing_to_call(stage, request_id)
         while tries:
             (address, channel), tries = tries[0], self.still_listed(tries[1:])
             remaining = end_at - loop.time()
-            timeout_s = self.try_timeout_s(remaining)
+            try_timeout_s = self.try_timeout_s(remaining)
             started = loop.time()
             self.begin(address)
             try:
-                return await attempt(channel, timeout_s)
+                return await attempt(channel, try_timeout_s)
             except asyncio.CancelledError:
                 if not cancelled_by_grpc():
                     raise  # the request's task was cancelled (its client went away)
                 # grpc.aio cancelled the call itself: its request stream could not be written
                 # (epd.transport.aio_cancel). A failure of this call, not a gone client.
-                late = loop.time() - started >= timeout_s
+                late = loop.time() - started >= try_timeout_s
                 log.warning(
                     "request %s: gRPC cancelled the %s call to %s while sending its request%s",
                     request_id,
@@ -311,13 +311,15 @@ class ReplicaPool:
             except grpc.aio.AioRpcError as exc:
                 hung = (
                     exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                    and timeout_s < remaining
-                    and loop.time() - started >= timeout_s - HANG_SLACK_S
+                    and try_timeout_s < remaining
+                    and loop.time() - started >= try_timeout_s - HANG_SLACK_S
                 )
                 if not replica_lost(exc) and not hung:
                     raise stage_error(exc, stage, request_id) from None
                 self.mark_failed(address, hung)
-                what = f"did not answer in {timeout_s:.1f} s" if hung else f"unavailable ({exc.details()})"
+                what = (
+                    f"did not answer in {try_timeout_s:.1f} s" if hung else f"unavailable ({exc.details()})"
+                )
                 tries = self.still_listed(tries)  # the list may have changed during the try
                 if not tries or end_at - loop.time() <= 0:
                     log.warning(

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import inspect
 import json
 import logging
@@ -38,6 +37,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import grpc
+
+# The id's context variable lives below the transport, so that engines can set it for shared work;
+# `tracing.current_request_id` and `tracing.set_request_id` stay the transport's names for it.
+from epd.stages.request_id import current_request_id, request_id_from_client, set_request_id
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +54,6 @@ OTEL_ENV = "EPD_OTEL"
 
 UNTRACED_PREFIXES = ("/grpc.health.", "/grpc.reflection.", "/epd.v1.LoadService/")
 """Polled by the gateway every few seconds; not requests: no id, no log line, no span."""
-
-_request_id: contextvars.ContextVar[str] = contextvars.ContextVar("epd_request_id", default="")
-_from_client: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "epd_request_id_from_client", default=False
-)
 
 
 # --- the id ---------------------------------------------------------------------------------------
@@ -75,16 +73,6 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-def current_request_id() -> str:
-    """The id of the request this task serves ("" outside one)."""
-    return _request_id.get()
-
-
-def set_request_id(request_id: str, from_client: bool = False) -> contextvars.Token:
-    _from_client.set(from_client)
-    return _request_id.set(request_id)
-
-
 def begin_request(client_value: object) -> str:
     """At a front door or a stage server: the client's id when usable, else a new one; set for
     this task and returned."""
@@ -100,9 +88,9 @@ def adopt_request_id(candidate: str) -> str:
     """The request's id once its message names one too (a stage call's `request_id` field, the
     SDK's `AskHeader.request_id`): an id from metadata wins; else a usable `candidate` replaces
     the generated one. Returns the id in force."""
-    if not _from_client.get() and valid_request_id(candidate) and candidate != _request_id.get():
+    if not request_id_from_client() and valid_request_id(candidate) and candidate != current_request_id():
         set_request_id(candidate, from_client=True)
-    return _request_id.get() or begin_request(candidate)
+    return current_request_id() or begin_request(candidate)
 
 
 def with_request_id(message: str, request_id: str | None = None) -> str:
@@ -131,7 +119,7 @@ class RequestIdFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not getattr(record, "request_id", ""):
-            record.request_id = _request_id.get()
+            record.request_id = current_request_id()
         return True
 
 

@@ -504,6 +504,25 @@ def test_ask_endpoint_says_which_flag_the_sdk_refuses():
         assert "INTERNAL" not in refused.stderr and "Traceback" not in refused.stderr
 
 
+def test_ask_timeout_is_each_questions_deadline_through_the_stack_too(media_files, shared_stack):
+    """`epd ask --endpoint ... --timeout S`: S is each question's gRPC deadline (the SDK's
+    timeout_s, which the gateway passes on to the stages); past it, one line says what to raise
+    and the exit status is 124, as embedded (`test_clean_exit`), not the SDK's "raise timeout_s"
+    with exit 1. A deadline of 1 ms passes before the request is through, whatever the machine;
+    one of 5 minutes does not cut an answer."""
+    ask = ["ask", str(media_files["mp4"]), QUESTION, "--endpoint", shared_stack.gateway, "--num-frames", "4",
+           "--max-new-tokens", "4", "--json"]  # fmt: skip
+    late = run_epd_forked(*ask, "--timeout", "0.001")
+    assert late.returncode == 124, late.stderr
+    assert late.stderr.splitlines()[-1].startswith(
+        "epd: no answer within 0.001 s (--timeout): raise --timeout"
+    )
+    assert late.stdout == "" and "Traceback" not in late.stderr
+    answered = run_epd_forked(*ask, "--timeout", "300")
+    assert answered.returncode == 0, answered.stderr
+    assert json.loads(answered.stdout)["finish_reason"] in ("stop", "length")
+
+
 RAW_PROMPT = "Once upon a time, in a land far away,"
 
 

@@ -131,3 +131,77 @@ def test_epd_ask_in_process_ends_the_threads_it_started(tiny_models, media_files
     )  # fmt: skip
     assert code == 0, capsys.readouterr().out
     assert leak_check.threads_left(before) == []
+
+
+def test_epd_ask_whose_timeout_passed_ends_the_threads_it_started(tiny_models, media_files, capsys):
+    """`epd ask --timeout S`: when the question's deadline passes, one line says what to raise,
+    the exit status is 124 (`EXIT_TIMEOUT`), and the cancelled request's threads end with the
+    pipeline's close, in a process that goes on. The deadline (1 ms) passes during the request's
+    first step, whatever the machine's speed: nothing is timed."""
+    import threading
+
+    from epd.cli.ask import EXIT_TIMEOUT
+    from epd.cli.main import main
+    from tests import leak_check
+
+    before = set(threading.enumerate())
+    code = main(
+        ["ask", str(media_files["mp4"]), "what colour is the square?", "--model", str(tiny_models["qwen2_vl"]),
+         "--num-frames", "4", "--max-new-tokens", "2", "--timeout", "0.001"]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == EXIT_TIMEOUT == 124, err
+    assert err.splitlines()[-1] == (
+        "epd: no answer within 0.001 s (--timeout): raise --timeout, or ask for less (fewer "
+        "--max-new-tokens, --num-frames or --max-frames)"
+    ), err
+    assert leak_check.threads_left(before) == []
+
+
+ASK_AS_THE_CONSOLE_SCRIPT = r"""
+import atexit, sys
+
+atexit.register(lambda: print("the interpreter's teardown ran", file=sys.stderr, flush=True))
+sys.argv = ["epd", *sys.argv[1:]]
+from epd.cli.main import main
+
+sys.exit(main())  # what the `epd` console script runs
+"""
+
+
+@pytest.mark.parametrize("timeout_s, code", [(None, 0), ("0.001", 124)], ids=["answered", "timed-out"])
+def test_epd_ask_leaves_without_the_interpreters_teardown_once_it_has_printed(
+    timeout_s, code, tiny_models, media_files
+):
+    """`epd ask` as a user runs it (the console script's `sys.exit(main())`, in a process of its own)
+    leaves as `epd serve` does, by `os._exit` (`epd.cli.process_exit`), once it has printed its
+    answer (or why there is none) and closed its pipeline: an exit through the interpreter's
+    teardown could abort in a grammar compile or model call still running. Its answer is whole on
+    stdout, its exit status the one it returned; an atexit hook registered before epd never runs."""
+    import json
+
+    args = ["ask", str(media_files["mp4"]), "what colour is the square?", "--model", str(tiny_models["qwen2_vl"]),
+            "--num-frames", "4", "--max-new-tokens", "6", "--json",
+            *(["--timeout", timeout_s] if timeout_s else [])]  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "OMP_NUM_THREADS": "1",
+    }
+    child = subprocess.run(
+        [sys.executable, "-c", ASK_AS_THE_CONSOLE_SCRIPT, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
+    )
+    assert child.returncode == code, child.stderr[-2000:]
+    assert "the interpreter's teardown ran" not in child.stderr, child.stderr[-2000:]
+    assert "Traceback" not in child.stderr and "terminate called" not in child.stderr, child.stderr[-2000:]
+    if code == 0:
+        answer = json.loads(child.stdout)  # one whole line: flushed before the exit
+        assert child.stdout.endswith("}\n") and answer["finish_reason"] in ("stop", "length")
+        assert 0 < len(answer["token_ids"]) <= 6
+    else:
+        assert child.stdout == "" and "(--timeout): raise --timeout" in child.stderr.splitlines()[-1]

@@ -31,7 +31,7 @@ from epd.v1 import prefill_pb2, prefill_pb2_grpc
 from tests.stack import Stack, VerboseStack, wait_until
 
 CLIENT_DEADLINE_S = 2.0
-"""The client's deadline: far under the gateway's --stage-timeout-s (600 s), and under the slow
+"""The client's deadline: far under the gateway's stage timeout (GatewayConfig.stage_timeout_s, 600 s), and under the slow
 template's render (about 10 s of Jinja loop on this machine's CPU)."""
 WAIT_S = 120.0
 
@@ -190,4 +190,4 @@ def test_an_embedded_pipelines_prefill_refuses_the_render_at_its_clients_deadlin
     renders = [
         r.getMessage() for r in caplog.records if "the render of request late-embedded" in r.getMessage()
     ]
-    assert len(renders) == 1 and "its client's deadline passed" in renders[0], renders
+    assert len(renders) == 1 and "its call's deadline passed" in renders[0], renders

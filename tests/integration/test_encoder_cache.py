@@ -209,6 +209,53 @@ def test_a_request_waiting_on_a_failed_encode_does_the_work_itself(adapter, medi
     assert len(calls) == 2 and not out.cache_hit and engine.flights.num_shared == 0
 
 
+def test_a_shared_encode_runs_as_its_flight_not_in_its_leaders_context(adapter, media_files, closing):
+    """A shared encode (`single_flight`) is no single request's: the work runs under its flight's
+    id, with no client deadline, not in the context of the request that started it. Here the
+    leader's client deadline has passed and its caller leaves while another request waits on the
+    work: the work goes on for the waiter, which gets its tokens. Nothing in the encoder reads the
+    deadline today, so the context the work sees is what is checked: before, it was the leader's
+    (its id in the work's log lines after it left, its deadline for any check to come)."""
+    import contextvars
+
+    from epd.encoder_svc.single_flight import Interest, flight_id
+    from epd.stages.deadline import client_deadline, set_client_deadline
+    from epd.stages.request_id import current_request_id, set_request_id
+
+    engine = closing(EncoderEngine(EncoderConfig(), adapter))
+    data = media_files["mp4"].read_bytes()
+    sampling = SamplingOptions(num_frames=4)
+    key = engine.cache_key(hashlib.sha256(data).hexdigest(), sampling)
+    real, seen, leader_left = engine._decode_and_encode, [], threading.Event()
+
+    def held(*args, **kwargs):  # the work, on the leader's thread
+        seen.append((current_request_id(), client_deadline()))
+        assert leader_left.wait(30)
+        return real(*args, **kwargs)
+
+    engine._decode_and_encode = held
+    leader = Interest("leader")
+
+    def as_request(request_id, deadline_s, interest):  # in a context of its own, as a request's task
+        set_request_id(request_id)
+        set_client_deadline(deadline_s)
+        events = []
+        return engine.encode(MediaInput(data), sampling, events.append, interest=interest), events
+
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(contextvars.Context().run, as_request, "leader", 0.0, leader)
+        while not seen:
+            time.sleep(0.005)
+        second = pool.submit(contextvars.Context().run, as_request, "waiter", None, Interest("waiter"))
+        while engine.flights.num_waiting(key) < 1:
+            time.sleep(0.005)
+        assert leader.leave()  # its client gave up: the work goes on for the waiter
+        leader_left.set()
+        (waited, events), _ = second.result(30), first.result(30)
+    assert seen == [(flight_id(key), None)]
+    assert waited.cache_hit and events[0].details["shared_with"] == "in-flight request"
+
+
 def test_unknown_hash_is_not_found(adapter, closing):
     engine = closing(EncoderEngine(EncoderConfig(), adapter))
     with pytest.raises(NotFound, match="not cached here; send the file itself"):

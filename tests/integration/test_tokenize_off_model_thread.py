@@ -646,11 +646,13 @@ def test_requests_own_templates_never_hold_every_render_thread(adapter, processo
     assert fast.num_prompt_tokens == len(expected_fast) and counted.token_ids == expected_fast
 
 
-def test_a_render_whose_deadline_passed_while_it_waited_is_refused_unrendered(adapter):
+def test_a_render_whose_deadline_passed_while_it_waited_is_refused_unrendered(adapter, caplog):
     """A prefill whose deadline (its gRPC call's) passes while it waits for a render thread (every
     one held here by a slow request template) is refused, DEADLINE_EXCEEDED, when a thread takes
     it, and its template never renders: before, it was rendered for nobody. The deadline is in the
-    past when the threads are let go: nothing is timed."""
+    past when the threads are let go: nothing is timed. Its log line names the call's deadline,
+    not the client's: in a prefill server it is often the gateway's bound on one attempt."""
+    import logging
     import time
 
     import grpc
@@ -682,10 +684,16 @@ def test_a_render_whose_deadline_passed_while_it_waited_is_refused_unrendered(ad
         await stage.close()
         return info.value
 
-    with _slow_renders_held(adapter, entered, release, model_thread):
+    with (
+        _slow_renders_held(adapter, entered, release, model_thread),
+        caplog.at_level(logging.INFO, logger="epd.prefill_svc.stage"),
+    ):
         refused = asyncio.run(scenario())
     assert entered.num_renders == REQUEST_TEMPLATE_THREADS  # the late one's template never rendered
     assert status_of(refused)[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+    said = [r.getMessage() for r in caplog.records if "request late was refused" in r.getMessage()]
+    assert said == ["the render of request late was refused unrendered: its call's deadline passed while it "
+                    "waited for a thread"]  # fmt: skip
 
 
 class _CountingTokenizer:

@@ -3,7 +3,7 @@ embedded), tools and TLS, and the request's flags (`epd.cli.flags.request`)."""
 
 from __future__ import annotations
 
-from epd.cli.flags.arg_types import env
+from epd.cli.flags.arg_types import env, positive_seconds
 from epd.cli.flags.media import add_sampling_flags
 from epd.cli.flags.model import add_model_flags
 from epd.cli.flags.request import add_generation_flags, add_pruning_flags
@@ -93,6 +93,15 @@ def add_ask_command(sub) -> None:
         "(the HTTP API's /v1/completions): tokenised as the model's tokenizer(TEXT), no media",
     )
     ask.add_argument("--endpoint", default="", help="HOST:PORT of a running gateway; default: embedded")
+    ask.add_argument(
+        "--timeout",
+        type=positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="the deadline of each question, as the OpenAI client's timeout: every stage drops its "
+        "work when it passes, and epd ask says so and exits 124 (default: none embedded; with "
+        "--endpoint, the SDK's 600 s, the gRPC call's deadline)",
+    )
     ask.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     ask.add_argument(
         "--api-key",

@@ -73,12 +73,13 @@ def test_a_hung_replica_is_left_for_the_next_within_the_deadline_and_held_back()
             assert pool.chooser.healthy() == [names[b"ok"]]  # held back, hung: a health check won't undo it
             pool.set_serving(names[b"hang"], True)
             assert pool.chooser.healthy() == [names[b"ok"]]
-            # The whole deadline shorter than the attempt timeout: its expiry is not a hang, no retry.
+            # The whole call's timeout (a duration, `timeout_s`, as every other one) shorter than
+            # the attempt timeout: its expiry is not a hang, no retry.
             pool.chooser._failed_until.clear()  # noqa: SLF001 - try the hung one first again
             calls.clear()
             pool.chooser._turn = 0  # noqa: SLF001
             with pytest.raises(UpstreamError) as err:
-                await pool.call("", _who, "encode", "r", 0.3)
+                await pool.call("", _who, "encode", "r", timeout_s=0.3)
             assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and calls == [b"hang"]
         finally:
             await pool.close()
