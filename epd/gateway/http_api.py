@@ -163,6 +163,17 @@ def json_error(status: int, message: str, error_type: str) -> web.Response:
     return response
 
 
+def aiohttp_error_response(exc: web.HTTPException) -> web.Response:
+    """aiohttp's own refusal (an unknown route, a wrong method, a body too large) as an
+    OpenAI-style JSON error; a 405 keeps its Allow header (the methods the path takes)."""
+    error_type = "request_too_large" if exc.status == 413 else "invalid_request_error"
+    message = exc.text if exc.status == 413 and exc.text else (exc.reason or "error")
+    response = json_error(exc.status, message, error_type)
+    if "Allow" in exc.headers:
+        response.headers["Allow"] = exc.headers["Allow"]
+    return response
+
+
 def exception_response(exc: BaseException) -> web.Response:
     """The JSON error answer to a request that raised `exc` (a 500 logged with its traceback)."""
     status, error_type, message = http_error_of(exc)
@@ -237,48 +248,10 @@ class HttpApi:
         started = time.perf_counter()
         ticket = None
         try:
-            if unsupported_expect(request):
-                response: web.StreamResponse = json_error(
-                    417, "the only Expect this server supports is 100-continue", "invalid_request_error"
-                )
-            elif rebound_host(request, self.config):
-                response = json_error(
-                    403,
-                    "this gateway has no API key and serves loopback clients only: address it as localhost "
-                    "or 127.0.0.1 (a proxy in front of it needs --api-key, or --no-api-key on a closed network)",
-                    "permission_error",
-                )
-            elif request.method == "POST" and route in BODY_ROUTES and cross_site_browser_request(request):
-                response = json_error(
-                    403,
-                    "a page of another site may not call this server from a browser; call the API from "
-                    "your server, or use this server's own page",
-                    "permission_error",
-                )
-            elif (
-                self.config.http.api_keys
-                and (request.path.startswith(KEYED_PATH_PREFIXES) or route in BODY_ROUTES)
-                and not self._authorized(request)
-            ):  # the web demo's POST too: it decodes media
-                response = json_error(
-                    401,
-                    "missing or wrong API key; send 'Authorization: Bearer <key>'",
-                    "authentication_error",
-                )
-            elif (encoding := unsupported_encoding(request)) is not None:
-                response = json_error(415, unsupported_encoding_message(encoding), "invalid_request_error")
-                # RFC 9110 15.5.16: a 415 for a content coding names the codings the server takes.
-                response.headers["Accept-Encoding"] = ", ".join(SUPPORTED_ENCODINGS)
-            elif (
-                request.method == "POST"
-                and route in BODY_ROUTES
-                and (content_type := not_json_content_type(request)) is not None
-            ):
-                response = json_error(
-                    415, not_json_content_type_message(content_type), "invalid_request_error"
-                )
+            if (refusal := self._refusal(request, route)) is not None:
+                response: web.StreamResponse = refusal
             elif request.method == "POST" and route in BODY_ROUTES:
-                # With API keys, also counted per key (checked just above): a tenant on many IPs.
+                # With API keys, also counted per key (checked in `_refusal`): a tenant on many IPs.
                 key = bearer_token([("authorization", request.headers.get("Authorization", ""))])
                 ticket = request[TICKET_KEY] = self.admission.admit(
                     peer_host(request.remote or "unknown"), key if self.config.http.api_keys else ""
@@ -289,34 +262,96 @@ class HttpApi:
         except Overloaded as exc:
             response = exception_response(exc)
         except asyncio.CancelledError:
-            if self.in_flight.cutting and not request.get(STREAM_BEGUN_KEY):
-                # The gateway's stop cut it at the end of the grace period (`CallsInFlight.cut`),
-                # whatever the route (/health, /metrics, the web demo's decode, a chat not begun):
-                # a 503 to retry, counted as one. It was counted as a client gone (499) and its
-                # connection dropped.
-                response = exception_response(
-                    self.in_flight.shutdown_error(0, tracing.current_request_id() or request_id)
-                )
-            elif self.in_flight.cutting:  # a stream whose 200 is out: only its connection can end
-                self.metrics.http_responses.labels(route=route, code="200").inc()
+            if (cut := self._cut_response(request, route, request_id)) is None:
                 raise
-            else:
-                # Its client went away (aiohttp cancels the handler, `handler_cancellation`): nobody
-                # reads an answer, the cancel goes on; one INFO line and a 499 in the metrics, as
-                # for a client found gone by a read or a write (`client_gone_response`).
-                log.info("client of %s went away", tracing.current_request_id() or request_id)
-                self.metrics.http_responses.labels(route=route, code="499").inc()
-                raise
+            response = cut
         except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too large
-            error_type = "request_too_large" if exc.status == 413 else "invalid_request_error"
-            message = exc.text if exc.status == 413 and exc.text else (exc.reason or "error")
-            response = json_error(exc.status, message, error_type)
-            if "Allow" in exc.headers:  # a 405 names the methods the path takes
-                response.headers["Allow"] = exc.headers["Allow"]
+            response = aiohttp_error_response(exc)
         finally:
             if ticket is not None:
                 ticket.close()
-        if not response.prepared:  # a streamed answer has it already (`_stream`)
+        self._answered(request, route, request_id, response, started, span)
+        return response
+
+    def _refusal(self, request: web.Request, route: str) -> web.Response | None:
+        """The error a request gets before its handler runs (None: it may run), in this order: an
+        Expect other than 100-continue, a rebound host name, a cross-site browser's POST, a missing
+        or wrong API key, a content coding or (a body route's) content type not taken."""
+        if unsupported_expect(request):
+            return json_error(
+                417, "the only Expect this server supports is 100-continue", "invalid_request_error"
+            )
+        if rebound_host(request, self.config):
+            return json_error(
+                403,
+                "this gateway has no API key and serves loopback clients only: address it as localhost "
+                "or 127.0.0.1 (a proxy in front of it needs --api-key, or --no-api-key on a closed network)",
+                "permission_error",
+            )
+        if request.method == "POST" and route in BODY_ROUTES and cross_site_browser_request(request):
+            return json_error(
+                403,
+                "a page of another site may not call this server from a browser; call the API from "
+                "your server, or use this server's own page",
+                "permission_error",
+            )
+        if (
+            self.config.http.api_keys
+            and (request.path.startswith(KEYED_PATH_PREFIXES) or route in BODY_ROUTES)
+            and not self._authorized(request)
+        ):  # the web demo's POST too: it decodes media
+            return json_error(
+                401,
+                "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                "authentication_error",
+            )
+        if (encoding := unsupported_encoding(request)) is not None:
+            response = json_error(415, unsupported_encoding_message(encoding), "invalid_request_error")
+            # RFC 9110 15.5.16: a 415 for a content coding names the codings the server takes.
+            response.headers["Accept-Encoding"] = ", ".join(SUPPORTED_ENCODINGS)
+            return response
+        if (
+            request.method == "POST"
+            and route in BODY_ROUTES
+            and (content_type := not_json_content_type(request)) is not None
+        ):
+            return json_error(415, not_json_content_type_message(content_type), "invalid_request_error")
+        return None
+
+    def _cut_response(self, request: web.Request, route: str, request_id: str) -> web.Response | None:
+        """The answer to a request whose handler was cancelled: a 503 when the gateway's stop cut it
+        before its answer began; None when the cancel must go on (its stream's 200 is out, or its
+        client went away), counted in the metrics here."""
+        if self.in_flight.cutting and not request.get(STREAM_BEGUN_KEY):
+            # The gateway's stop cut it at the end of the grace period (`CallsInFlight.cut`),
+            # whatever the route (/health, /metrics, the web demo's decode, a chat not begun):
+            # a 503 to retry, counted as one. It was counted as a client gone (499) and its
+            # connection dropped.
+            return exception_response(
+                self.in_flight.shutdown_error(0, tracing.current_request_id() or request_id)
+            )
+        if self.in_flight.cutting:  # a stream whose 200 is out: only its connection can end
+            self.metrics.http_responses.labels(route=route, code="200").inc()
+            return None
+        # Its client went away (aiohttp cancels the handler, `handler_cancellation`): nobody
+        # reads an answer, the cancel goes on; one INFO line and a 499 in the metrics, as
+        # for a client found gone by a read or a write (`client_gone_response`).
+        log.info("client of %s went away", tracing.current_request_id() or request_id)
+        self.metrics.http_responses.labels(route=route, code="499").inc()
+        return None
+
+    def _answered(
+        self,
+        request: web.Request,
+        route: str,
+        request_id: str,
+        response: web.StreamResponse,
+        started: float,
+        span: tracing.RequestSpan,
+    ) -> None:
+        """A request's answer, recorded: its x-request-id header, its log line (a POST's), its
+        trace span's end, its connection closed when its body was left unread, its metric."""
+        if not response.prepared:  # a streamed answer has it already (`SseStream.begin`)
             # The handler may have adopted the id its body names (`ChatRequest.request_id`).
             response.headers[tracing.REQUEST_ID_KEY] = tracing.current_request_id() or request_id
         if request.method == "POST":
@@ -342,7 +377,6 @@ class HttpApi:
             # (aiohttp drops what is still arriving for a few seconds, then closes it).
             response.force_close()
         self.metrics.http_responses.labels(route=route, code=str(response.status)).inc()
-        return response
 
     async def _unrouted(self, request: web.Request) -> web.StreamResponse:
         """A path no route of ours takes with this method: 405 where another method would be taken
@@ -410,97 +444,15 @@ class HttpApi:
         return await self._complete(request, parse_responses_request)
 
     async def _complete(self, request: web.Request, parse: ParseRequest) -> web.StreamResponse:
+        """A chat, legacy completion or Responses request: its body read and checked, its media
+        loaded, the pipeline asked, and its answer streamed or sent whole."""
         try:
-            body = await read_json_body(request, self.max_body_bytes, self.config.body_timeout_s)
-            if isinstance(body, dict) and isinstance(body.get("request_id"), str):
-                # Before the body is checked: a 400 for one of its fields names the client's id.
-                tracing.adopt_request_id(body["request_id"])
-            chat = parse(
-                body,
-                self.config.http.served_model_name,
-                self.config.sampling,
-                self.pipeline.generation_defaults(self.config.generation),
-            )
-            if chat.raw_prompt is None:  # legacy completions are not parted: they go on working
-                self._check_reasoning_parser()
-                check_auto_tool_choice(chat.tool_choice, self.config.http.enable_auto_tool_choice)
-                if self.config.http.tool_call_parser:  # how "auto" reads the answer's calls
-                    chat.tool_choice = replace(chat.tool_choice, parser=self.config.http.tool_call_parser)
-                if self.config.http.reasoning_parser:
-                    chat.generation = constrained_after_reasoning(chat.generation)
-            # Decoding and hashing take about 1 s per 64 MB of media: on a worker thread, so that the
-            # event loop (every other client's stream, both APIs) goes on meanwhile.
-            data = None  # a text-only conversation: nothing to load, no encoder call
-            if chat.media_url.startswith("data:"):
-                data = await asyncio.to_thread(take_data_url_bytes, chat, self.config.max_upload_bytes)
-            elif chat.media_url:
-                # a file's or a fetch's bytes count as a body's
-                ticket = request.get(TICKET_KEY)
-                data = await load_media(
-                    chat.media_url,
-                    self.config.http.media,
-                    self.config.max_upload_bytes,
-                    ticket.reserve_bytes if ticket is not None else None,
-                )
-            media = None if data is None else MediaInput(data, await asyncio.to_thread(sha256_hex, data))
-            ask = AskRequest(
-                messages=chat.messages,
-                media=media,
-                sampling=chat.sampling,
-                generation=chat.generation,
-                request_id=tracing.adopt_request_id(chat.request_id),
-                pruning=chat.pruning,
-                raw_prompt=chat.raw_prompt,
-                template=chat.template,
-                cache_salt=request_cache_salt(
-                    bool(self.config.http.api_keys),
-                    bearer_token([("authorization", request.headers.get("Authorization", ""))]),
-                    chat.cache_salt,
-                    internal_secrets(self.config.server.security).presented,
-                ),
-            )
+            chat = await self._read_request(request, parse)
+            ask = self._ask_request(request, chat, await self._load_media(request, chat))
             events = self.pipeline.ask(ask)
             if chat.stream:
                 return await self._stream(request, chat, ask.request_id, events)
-            # A Responses answer's, shaped at its end (`response_body`); a chat answer's with a
-            # reasoning parser, parted and its reasoning tokens counted from them in one pass
-            # (`completion_body`).
-            thinking = self._thinking(chat)
-            steps: list[TokenStep] = []
-            async with aclosing(events):  # type: ignore[type-var]
-                async for item in events:
-                    if isinstance(item, TokenStep) and (chat.responses is not None or thinking is not None):
-                        steps.append(item)
-                    if isinstance(item, AskSummary):
-                        log_summary(item)
-                        summary = item
-                        if chat.raw_prompt is not None:
-                            build = functools.partial(text_completion_body, summary, chat)
-                        elif chat.responses is not None:
-                            build = functools.partial(
-                                response_body,
-                                summary,
-                                chat,
-                                thinking,
-                                steps,
-                                marker_ids=self._marker_ids(thinking),
-                            )
-                        else:
-                            build = functools.partial(
-                                completion_body,
-                                summary,
-                                chat.model,
-                                role=chat.response_role,
-                                echoed=chat.echoed_text,
-                                thinking=thinking,
-                                include_reasoning=chat.include_reasoning,
-                                tool_choice=chat.tool_choice,
-                                steps=steps,
-                                marker_ids=self._marker_ids(thinking),
-                            )
-                        # the prompt's logprobs: up to half a million entries, written off the loop
-                        return await json_answer(build, off_loop=bool(summary.prompt_logprobs))
-            raise RuntimeError("the pipeline ended without a summary")
+            return await self._whole_answer(chat, events)
         except ConnectionResetError:
             # Its client closed the connection while sending its body: nothing to answer, and not
             # the server's fault (it was an ERROR traceback and a 500 for every such client).
@@ -509,6 +461,107 @@ class HttpApi:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped in status_of
             return exception_response(exc)
+
+    async def _read_request(self, request: web.Request, parse: ParseRequest) -> ChatRequest:
+        """The request's body, read under its limits and parsed by the route's `parse`; a chat
+        request checked against the server's reasoning and tool parsers, which it takes on."""
+        body = await read_json_body(request, self.max_body_bytes, self.config.body_timeout_s)
+        if isinstance(body, dict) and isinstance(body.get("request_id"), str):
+            # Before the body is checked: a 400 for one of its fields names the client's id.
+            tracing.adopt_request_id(body["request_id"])
+        chat = parse(
+            body,
+            self.config.http.served_model_name,
+            self.config.sampling,
+            self.pipeline.generation_defaults(self.config.generation),
+        )
+        if chat.raw_prompt is None:  # legacy completions are not parted: they go on working
+            self._check_reasoning_parser()
+            check_auto_tool_choice(chat.tool_choice, self.config.http.enable_auto_tool_choice)
+            if self.config.http.tool_call_parser:  # how "auto" reads the answer's calls
+                chat.tool_choice = replace(chat.tool_choice, parser=self.config.http.tool_call_parser)
+            if self.config.http.reasoning_parser:
+                chat.generation = constrained_after_reasoning(chat.generation)
+        return chat
+
+    async def _load_media(self, request: web.Request, chat: ChatRequest) -> MediaInput | None:
+        """The media `chat` names (None: a text-only conversation, no encoder call): a data: URL's
+        bytes, a local file's or a fetched URL's (held on the request's ticket), and their hash."""
+        # Decoding and hashing take about 1 s per 64 MB of media: on a worker thread, so that the
+        # event loop (every other client's stream, both APIs) goes on meanwhile.
+        data = None
+        if chat.media_url.startswith("data:"):
+            data = await asyncio.to_thread(take_data_url_bytes, chat, self.config.max_upload_bytes)
+        elif chat.media_url:
+            # a file's or a fetch's bytes count as a body's
+            ticket = request.get(TICKET_KEY)
+            data = await load_media(
+                chat.media_url,
+                self.config.http.media,
+                self.config.max_upload_bytes,
+                ticket.reserve_bytes if ticket is not None else None,
+            )
+        return None if data is None else MediaInput(data, await asyncio.to_thread(sha256_hex, data))
+
+    def _ask_request(self, request: web.Request, chat: ChatRequest, media: MediaInput | None) -> AskRequest:
+        """The pipeline's request for `chat`, under the id its body names (when usable) and the
+        prefix cache's salt of its API key and `cache_salt`."""
+        return AskRequest(
+            messages=chat.messages,
+            media=media,
+            sampling=chat.sampling,
+            generation=chat.generation,
+            request_id=tracing.adopt_request_id(chat.request_id),
+            pruning=chat.pruning,
+            raw_prompt=chat.raw_prompt,
+            template=chat.template,
+            cache_salt=request_cache_salt(
+                bool(self.config.http.api_keys),
+                bearer_token([("authorization", request.headers.get("Authorization", ""))]),
+                chat.cache_salt,
+                internal_secrets(self.config.server.security).presented,
+            ),
+        )
+
+    async def _whole_answer(self, chat: ChatRequest, events: AsyncIterator[PipelineEvent]) -> web.Response:
+        """The answer sent whole, at its end: a Responses answer's, shaped from its steps
+        (`response_body`); a chat answer's with a reasoning parser, parted and its reasoning
+        tokens counted from them in one pass (`completion_body`); a legacy completion's."""
+        thinking = self._thinking(chat)
+        steps: list[TokenStep] = []
+        async with aclosing(events):  # type: ignore[type-var]
+            async for item in events:
+                if isinstance(item, TokenStep) and (chat.responses is not None or thinking is not None):
+                    steps.append(item)
+                if isinstance(item, AskSummary):
+                    log_summary(item)
+                    build = self._answer_body(chat, item, thinking, steps)
+                    # the prompt's logprobs: up to half a million entries, written off the loop
+                    return await json_answer(build, off_loop=bool(item.prompt_logprobs))
+        raise RuntimeError("the pipeline ended without a summary")
+
+    def _answer_body(
+        self, chat: ChatRequest, summary: AskSummary, thinking: bool | None, steps: list[TokenStep]
+    ) -> Callable[[], dict[str, Any]]:
+        """What builds the whole answer's body (on a worker thread when it is large)."""
+        if chat.raw_prompt is not None:
+            return functools.partial(text_completion_body, summary, chat)
+        if chat.responses is not None:
+            return functools.partial(
+                response_body, summary, chat, thinking, steps, marker_ids=self._marker_ids(thinking)
+            )
+        return functools.partial(
+            completion_body,
+            summary,
+            chat.model,
+            role=chat.response_role,
+            echoed=chat.echoed_text,
+            thinking=thinking,
+            include_reasoning=chat.include_reasoning,
+            tool_choice=chat.tool_choice,
+            steps=steps,
+            marker_ids=self._marker_ids(thinking),
+        )
 
     def _check_reasoning_parser(self) -> None:
         """ServerMisconfigured (HTTP 500) for a chat request under a `--reasoning-parser` that the
