@@ -241,6 +241,9 @@ class HttpApi:
             return await self._answer(request, handler)
 
     async def _answer(self, request: web.Request, handler) -> web.StreamResponse:
+        """A request's answer: refused before its handler runs (`_refusal`), or admitted (a body
+        route's ticket) and handled; a cancel answered as the stop's 503 when it may be
+        (`_cut_response`), aiohttp's own refusals as JSON errors; then recorded (`_answered`)."""
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None and resource.name != UNROUTED else UNROUTED
         request_id = tracing.begin_request(request.headers.get(tracing.REQUEST_ID_KEY, ""))
