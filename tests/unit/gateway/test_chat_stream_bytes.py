@@ -204,16 +204,16 @@ def streamed(name: str) -> str:
 
 
 EXPECTED_PATH = Path(__file__).with_name("streamed_answers.json")
-"""Each scenario's text as the stream sent it when pinned. A change meant to alter a stream
-rewrites it: `EPD_REPIN_STREAMS=1 pytest tests/unit/gateway/test_chat_stream_bytes.py`, then
-read the diff."""
+"""Each scenario's text as the stream sent it when pinned, a list of its lines (so that a diff
+shows the chunk that changed). A change meant to alter a stream rewrites it:
+`EPD_REPIN_STREAMS=1 pytest tests/unit/gateway/test_chat_stream_bytes.py`, then read the diff."""
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_a_streamed_answers_bytes_are_pinned(name):
-    text = streamed(name)
+    lines = streamed(name).split("\n")
     expected = json.loads(EXPECTED_PATH.read_text())
     if os.environ.get("EPD_REPIN_STREAMS") == "1":
-        EXPECTED_PATH.write_text(json.dumps({**expected, name: text}, indent=1, ensure_ascii=False) + "\n")
-        expected[name] = text
-    assert text == expected[name]
+        expected[name] = lines
+        EXPECTED_PATH.write_text(json.dumps(expected, indent=1, ensure_ascii=False) + "\n")
+    assert lines == expected[name]
