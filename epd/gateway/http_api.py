@@ -49,12 +49,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
@@ -68,10 +67,10 @@ from epd.gateway.admission import (
     peer_host,
 )
 from epd.gateway.browser_guard import cross_site_browser_request, rebound_host
+from epd.gateway.chat_chunks import ChatChunks
 from epd.gateway.completions_protocol import (
     parse_completion_request,
     text_completion_body,
-    text_completion_chunk,
 )
 from epd.gateway.config import GatewayConfig
 from epd.gateway.http_body import (
@@ -86,51 +85,47 @@ from epd.gateway.http_body import (
     unsupported_encoding_message,
     unsupported_expect,
 )
-from epd.gateway.json_answer import json_answer, json_bytes
-from epd.gateway.logprobs_protocol import completion_logprobs
+from epd.gateway.json_answer import json_answer
 from epd.gateway.media_fetch import decode_data_url, load_media
 from epd.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from epd.gateway.openai_protocol import (
     ChatRequest,
-    chunk_body,
     completion_body,
-    epd_details,
     error_body,
     http_error_of,
     parse_chat_request,
-    usage,
 )
 from epd.gateway.pipeline import (
     AskRequest,
     AskSummary,
     Pipeline,
     PipelineEvent,
-    PromptLogprobs,
 )
 from epd.gateway.protocol_log import CLIENT_FAULTS, PROTOCOL_LOG
 from epd.gateway.readiness import InProcessHealth, StageHealth
 from epd.gateway.reasoning import (
     MarkerIds,
-    ReasoningStream,
     constrained_after_reasoning,
-    delta_fields,
     marker_ids,
     parser_misfit,
     thinking_on,
 )
 from epd.gateway.responses_events import ResponseEvents, response_body
 from epd.gateway.responses_protocol import parse_responses_request
-from epd.gateway.shutdown import CallsInFlight, current_call
+from epd.gateway.shutdown import CallsInFlight
+from epd.gateway.sse_stream import (
+    STREAM_BEGUN_KEY,
+    STREAM_ERROR_KEY,
+    SseStream,
+    write_chat_events,
+    write_response_events,
+)
 from epd.gateway.tokenize_api import add_tokenize_routes
-from epd.gateway.tool_parsers.answer import ToolAnswerStream, tool_finish_reason
 from epd.gateway.tool_request import check_auto_tool_choice
 from epd.gateway.web.routes import BODY_ROUTES, add_demo_routes
-from epd.model_runtime.detokenizer import StopReason
-from epd.model_runtime.logprobs import TokenLogprob
 from epd.model_runtime.sampling import GenerationConfig
-from epd.stages.contracts import MediaInput, StageEvent, TokenStep
+from epd.stages.contracts import MediaInput, TokenStep
 from epd.stages.errors import InvalidRequest, ServerMisconfigured
-from epd.stages.names import Stage
 from epd.transport import tracing
 from epd.transport.auth import any_key_matches, bearer_token, request_cache_salt
 from epd.transport.internal_secrets import internal_secrets
@@ -151,13 +146,6 @@ client without the key gets vLLM's 401 before a 404 for a vLLM path epd does not
 (/v1/embeddings, /invocations), and a path no vLLM serving a generative model has (/pooling,
 /classify, /sleep) a 404 there and here. Besides these, the POSTs of `BODY_ROUTES` (the web demo's)."""
 
-STREAM_ERROR_KEY = web.RequestKey("epd_stream_error_status", int)
-"""The status of the error event a streamed answer ended with, for the request's log line: the
-response itself went out as 200 with the first token."""
-
-STREAM_BEGUN_KEY = web.RequestKey("epd_stream_begun", bool)
-"""Set once a streamed answer's 200 and headers went out: no other response can follow them."""
-
 NotServing = Callable[[], Awaitable[list[str]]]
 """Returns the names of the stages that are not serving ([] = healthy)."""
 
@@ -172,6 +160,17 @@ def json_error(status: int, message: str, error_type: str) -> web.Response:
     )
     if status == 429:
         response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
+
+
+def aiohttp_error_response(exc: web.HTTPException) -> web.Response:
+    """aiohttp's own refusal (an unknown route, a wrong method, a body too large) as an
+    OpenAI-style JSON error; a 405 keeps its Allow header (the methods the path takes)."""
+    error_type = "request_too_large" if exc.status == 413 else "invalid_request_error"
+    message = exc.text if exc.status == 413 and exc.text else (exc.reason or "error")
+    response = json_error(exc.status, message, error_type)
+    if "Allow" in exc.headers:
+        response.headers["Allow"] = exc.headers["Allow"]
     return response
 
 
@@ -242,6 +241,9 @@ class HttpApi:
             return await self._answer(request, handler)
 
     async def _answer(self, request: web.Request, handler) -> web.StreamResponse:
+        """A request's answer: refused before its handler runs (`_refusal`), or admitted (a body
+        route's ticket) and handled; a cancel answered as the stop's 503 when it may be
+        (`_cut_response`), aiohttp's own refusals as JSON errors; then recorded (`_answered`)."""
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None and resource.name != UNROUTED else UNROUTED
         request_id = tracing.begin_request(request.headers.get(tracing.REQUEST_ID_KEY, ""))
@@ -249,48 +251,10 @@ class HttpApi:
         started = time.perf_counter()
         ticket = None
         try:
-            if unsupported_expect(request):
-                response: web.StreamResponse = json_error(
-                    417, "the only Expect this server supports is 100-continue", "invalid_request_error"
-                )
-            elif rebound_host(request, self.config):
-                response = json_error(
-                    403,
-                    "this gateway has no API key and serves loopback clients only: address it as localhost "
-                    "or 127.0.0.1 (a proxy in front of it needs --api-key, or --no-api-key on a closed network)",
-                    "permission_error",
-                )
-            elif request.method == "POST" and route in BODY_ROUTES and cross_site_browser_request(request):
-                response = json_error(
-                    403,
-                    "a page of another site may not call this server from a browser; call the API from "
-                    "your server, or use this server's own page",
-                    "permission_error",
-                )
-            elif (
-                self.config.http.api_keys
-                and (request.path.startswith(KEYED_PATH_PREFIXES) or route in BODY_ROUTES)
-                and not self._authorized(request)
-            ):  # the web demo's POST too: it decodes media
-                response = json_error(
-                    401,
-                    "missing or wrong API key; send 'Authorization: Bearer <key>'",
-                    "authentication_error",
-                )
-            elif (encoding := unsupported_encoding(request)) is not None:
-                response = json_error(415, unsupported_encoding_message(encoding), "invalid_request_error")
-                # RFC 9110 15.5.16: a 415 for a content coding names the codings the server takes.
-                response.headers["Accept-Encoding"] = ", ".join(SUPPORTED_ENCODINGS)
-            elif (
-                request.method == "POST"
-                and route in BODY_ROUTES
-                and (content_type := not_json_content_type(request)) is not None
-            ):
-                response = json_error(
-                    415, not_json_content_type_message(content_type), "invalid_request_error"
-                )
+            if (refusal := self._refusal(request, route)) is not None:
+                response: web.StreamResponse = refusal
             elif request.method == "POST" and route in BODY_ROUTES:
-                # With API keys, also counted per key (checked just above): a tenant on many IPs.
+                # With API keys, also counted per key (checked in `_refusal`): a tenant on many IPs.
                 key = bearer_token([("authorization", request.headers.get("Authorization", ""))])
                 ticket = request[TICKET_KEY] = self.admission.admit(
                     peer_host(request.remote or "unknown"), key if self.config.http.api_keys else ""
@@ -301,34 +265,96 @@ class HttpApi:
         except Overloaded as exc:
             response = exception_response(exc)
         except asyncio.CancelledError:
-            if self.in_flight.cutting and not request.get(STREAM_BEGUN_KEY):
-                # The gateway's stop cut it at the end of the grace period (`CallsInFlight.cut`),
-                # whatever the route (/health, /metrics, the web demo's decode, a chat not begun):
-                # a 503 to retry, counted as one. It was counted as a client gone (499) and its
-                # connection dropped.
-                response = exception_response(
-                    self.in_flight.shutdown_error(0, tracing.current_request_id() or request_id)
-                )
-            elif self.in_flight.cutting:  # a stream whose 200 is out: only its connection can end
-                self.metrics.http_responses.labels(route=route, code="200").inc()
+            if (cut := self._cut_response(request, route, request_id)) is None:
                 raise
-            else:
-                # Its client went away (aiohttp cancels the handler, `handler_cancellation`): nobody
-                # reads an answer, the cancel goes on; one INFO line and a 499 in the metrics, as
-                # for a client found gone by a read or a write (`client_gone_response`).
-                log.info("client of %s went away", tracing.current_request_id() or request_id)
-                self.metrics.http_responses.labels(route=route, code="499").inc()
-                raise
+            response = cut
         except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too large
-            error_type = "request_too_large" if exc.status == 413 else "invalid_request_error"
-            message = exc.text if exc.status == 413 and exc.text else (exc.reason or "error")
-            response = json_error(exc.status, message, error_type)
-            if "Allow" in exc.headers:  # a 405 names the methods the path takes
-                response.headers["Allow"] = exc.headers["Allow"]
+            response = aiohttp_error_response(exc)
         finally:
             if ticket is not None:
                 ticket.close()
-        if not response.prepared:  # a streamed answer has it already (`_stream`)
+        self._answered(request, route, request_id, response, started, span)
+        return response
+
+    def _refusal(self, request: web.Request, route: str) -> web.Response | None:
+        """The error a request gets before its handler runs (None: it may run), in this order: an
+        Expect other than 100-continue, a rebound host name, a cross-site browser's POST, a missing
+        or wrong API key, a content coding or (a body route's) content type not taken."""
+        if unsupported_expect(request):
+            return json_error(
+                417, "the only Expect this server supports is 100-continue", "invalid_request_error"
+            )
+        if rebound_host(request, self.config):
+            return json_error(
+                403,
+                "this gateway has no API key and serves loopback clients only: address it as localhost "
+                "or 127.0.0.1 (a proxy in front of it needs --api-key, or --no-api-key on a closed network)",
+                "permission_error",
+            )
+        if request.method == "POST" and route in BODY_ROUTES and cross_site_browser_request(request):
+            return json_error(
+                403,
+                "a page of another site may not call this server from a browser; call the API from "
+                "your server, or use this server's own page",
+                "permission_error",
+            )
+        if (
+            self.config.http.api_keys
+            and (request.path.startswith(KEYED_PATH_PREFIXES) or route in BODY_ROUTES)
+            and not self._authorized(request)
+        ):  # the web demo's POST too: it decodes media
+            return json_error(
+                401,
+                "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                "authentication_error",
+            )
+        if (encoding := unsupported_encoding(request)) is not None:
+            response = json_error(415, unsupported_encoding_message(encoding), "invalid_request_error")
+            # RFC 9110 15.5.16: a 415 for a content coding names the codings the server takes.
+            response.headers["Accept-Encoding"] = ", ".join(SUPPORTED_ENCODINGS)
+            return response
+        if (
+            request.method == "POST"
+            and route in BODY_ROUTES
+            and (content_type := not_json_content_type(request)) is not None
+        ):
+            return json_error(415, not_json_content_type_message(content_type), "invalid_request_error")
+        return None
+
+    def _cut_response(self, request: web.Request, route: str, request_id: str) -> web.Response | None:
+        """The answer to a request whose handler was cancelled: a 503 when the gateway's stop cut it
+        before its answer began; None when the cancel must go on (its stream's 200 is out, or its
+        client went away), counted in the metrics here."""
+        if self.in_flight.cutting and not request.get(STREAM_BEGUN_KEY):
+            # The gateway's stop cut it at the end of the grace period (`CallsInFlight.cut`),
+            # whatever the route (/health, /metrics, the web demo's decode, a chat not begun):
+            # a 503 to retry, counted as one. It was counted as a client gone (499) and its
+            # connection dropped.
+            return exception_response(
+                self.in_flight.shutdown_error(0, tracing.current_request_id() or request_id)
+            )
+        if self.in_flight.cutting:  # a stream whose 200 is out: only its connection can end
+            self.metrics.http_responses.labels(route=route, code="200").inc()
+            return None
+        # Its client went away (aiohttp cancels the handler, `handler_cancellation`): nobody
+        # reads an answer, the cancel goes on; one INFO line and a 499 in the metrics, as
+        # for a client found gone by a read or a write (`client_gone_response`).
+        log.info("client of %s went away", tracing.current_request_id() or request_id)
+        self.metrics.http_responses.labels(route=route, code="499").inc()
+        return None
+
+    def _answered(
+        self,
+        request: web.Request,
+        route: str,
+        request_id: str,
+        response: web.StreamResponse,
+        started: float,
+        span: tracing.RequestSpan,
+    ) -> None:
+        """A request's answer, recorded: its x-request-id header, its log line (a POST's), its
+        trace span's end, its connection closed when its body was left unread, its metric."""
+        if not response.prepared:  # a streamed answer has it already (`SseStream.begin`)
             # The handler may have adopted the id its body names (`ChatRequest.request_id`).
             response.headers[tracing.REQUEST_ID_KEY] = tracing.current_request_id() or request_id
         if request.method == "POST":
@@ -354,7 +380,6 @@ class HttpApi:
             # (aiohttp drops what is still arriving for a few seconds, then closes it).
             response.force_close()
         self.metrics.http_responses.labels(route=route, code=str(response.status)).inc()
-        return response
 
     async def _unrouted(self, request: web.Request) -> web.StreamResponse:
         """A path no route of ours takes with this method: 405 where another method would be taken
@@ -422,97 +447,15 @@ class HttpApi:
         return await self._complete(request, parse_responses_request)
 
     async def _complete(self, request: web.Request, parse: ParseRequest) -> web.StreamResponse:
+        """A chat, legacy completion or Responses request: its body read and checked, its media
+        loaded, the pipeline asked, and its answer streamed or sent whole."""
         try:
-            body = await read_json_body(request, self.max_body_bytes, self.config.body_timeout_s)
-            if isinstance(body, dict) and isinstance(body.get("request_id"), str):
-                # Before the body is checked: a 400 for one of its fields names the client's id.
-                tracing.adopt_request_id(body["request_id"])
-            chat = parse(
-                body,
-                self.config.http.served_model_name,
-                self.config.sampling,
-                self.pipeline.generation_defaults(self.config.generation),
-            )
-            if chat.raw_prompt is None:  # legacy completions are not parted: they go on working
-                self._check_reasoning_parser()
-                check_auto_tool_choice(chat.tool_choice, self.config.http.enable_auto_tool_choice)
-                if self.config.http.tool_call_parser:  # how "auto" reads the answer's calls
-                    chat.tool_choice = replace(chat.tool_choice, parser=self.config.http.tool_call_parser)
-                if self.config.http.reasoning_parser:
-                    chat.generation = constrained_after_reasoning(chat.generation)
-            # Decoding and hashing take about 1 s per 64 MB of media: on a worker thread, so that the
-            # event loop (every other client's stream, both APIs) goes on meanwhile.
-            data = None  # a text-only conversation: nothing to load, no encoder call
-            if chat.media_url.startswith("data:"):
-                data = await asyncio.to_thread(take_data_url_bytes, chat, self.config.max_upload_bytes)
-            elif chat.media_url:
-                # a file's or a fetch's bytes count as a body's
-                ticket = request.get(TICKET_KEY)
-                data = await load_media(
-                    chat.media_url,
-                    self.config.http.media,
-                    self.config.max_upload_bytes,
-                    ticket.reserve_bytes if ticket is not None else None,
-                )
-            media = None if data is None else MediaInput(data, await asyncio.to_thread(sha256_hex, data))
-            ask = AskRequest(
-                messages=chat.messages,
-                media=media,
-                sampling=chat.sampling,
-                generation=chat.generation,
-                request_id=tracing.adopt_request_id(chat.request_id),
-                pruning=chat.pruning,
-                raw_prompt=chat.raw_prompt,
-                template=chat.template,
-                cache_salt=request_cache_salt(
-                    bool(self.config.http.api_keys),
-                    bearer_token([("authorization", request.headers.get("Authorization", ""))]),
-                    chat.cache_salt,
-                    internal_secrets(self.config.server.security).presented,
-                ),
-            )
+            chat = await self._read_request(request, parse)
+            ask = self._ask_request(request, chat, await self._load_media(request, chat))
             events = self.pipeline.ask(ask)
             if chat.stream:
                 return await self._stream(request, chat, ask.request_id, events)
-            # A Responses answer's, shaped at its end (`response_body`); a chat answer's with a
-            # reasoning parser, parted and its reasoning tokens counted from them in one pass
-            # (`completion_body`).
-            thinking = self._thinking(chat)
-            steps: list[TokenStep] = []
-            async with aclosing(events):  # type: ignore[type-var]
-                async for item in events:
-                    if isinstance(item, TokenStep) and (chat.responses is not None or thinking is not None):
-                        steps.append(item)
-                    if isinstance(item, AskSummary):
-                        log_summary(item)
-                        summary = item
-                        if chat.raw_prompt is not None:
-                            build = functools.partial(text_completion_body, summary, chat)
-                        elif chat.responses is not None:
-                            build = functools.partial(
-                                response_body,
-                                summary,
-                                chat,
-                                thinking,
-                                steps,
-                                marker_ids=self._marker_ids(thinking),
-                            )
-                        else:
-                            build = functools.partial(
-                                completion_body,
-                                summary,
-                                chat.model,
-                                role=chat.response_role,
-                                echoed=chat.echoed_text,
-                                thinking=thinking,
-                                include_reasoning=chat.include_reasoning,
-                                tool_choice=chat.tool_choice,
-                                steps=steps,
-                                marker_ids=self._marker_ids(thinking),
-                            )
-                        # the prompt's logprobs: up to half a million entries, written off the loop
-                        return await json_answer(build, off_loop=bool(summary.prompt_logprobs))
-            raise RuntimeError("the pipeline ended without a summary")
+            return await self._whole_answer(chat, events)
         except ConnectionResetError:
             # Its client closed the connection while sending its body: nothing to answer, and not
             # the server's fault (it was an ERROR traceback and a 500 for every such client).
@@ -521,6 +464,107 @@ class HttpApi:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped in status_of
             return exception_response(exc)
+
+    async def _read_request(self, request: web.Request, parse: ParseRequest) -> ChatRequest:
+        """The request's body, read under its limits and parsed by the route's `parse`; a chat
+        request checked against the server's reasoning and tool parsers, which it takes on."""
+        body = await read_json_body(request, self.max_body_bytes, self.config.body_timeout_s)
+        if isinstance(body, dict) and isinstance(body.get("request_id"), str):
+            # Before the body is checked: a 400 for one of its fields names the client's id.
+            tracing.adopt_request_id(body["request_id"])
+        chat = parse(
+            body,
+            self.config.http.served_model_name,
+            self.config.sampling,
+            self.pipeline.generation_defaults(self.config.generation),
+        )
+        if chat.raw_prompt is None:  # legacy completions are not parted: they go on working
+            self._check_reasoning_parser()
+            check_auto_tool_choice(chat.tool_choice, self.config.http.enable_auto_tool_choice)
+            if self.config.http.tool_call_parser:  # how "auto" reads the answer's calls
+                chat.tool_choice = replace(chat.tool_choice, parser=self.config.http.tool_call_parser)
+            if self.config.http.reasoning_parser:
+                chat.generation = constrained_after_reasoning(chat.generation)
+        return chat
+
+    async def _load_media(self, request: web.Request, chat: ChatRequest) -> MediaInput | None:
+        """The media `chat` names (None: a text-only conversation, no encoder call): a data: URL's
+        bytes, a local file's or a fetched URL's (held on the request's ticket), and their hash."""
+        # Decoding and hashing take about 1 s per 64 MB of media: on a worker thread, so that the
+        # event loop (every other client's stream, both APIs) goes on meanwhile.
+        data = None
+        if chat.media_url.startswith("data:"):
+            data = await asyncio.to_thread(take_data_url_bytes, chat, self.config.max_upload_bytes)
+        elif chat.media_url:
+            # a file's or a fetch's bytes count as a body's
+            ticket = request.get(TICKET_KEY)
+            data = await load_media(
+                chat.media_url,
+                self.config.http.media,
+                self.config.max_upload_bytes,
+                ticket.reserve_bytes if ticket is not None else None,
+            )
+        return None if data is None else MediaInput(data, await asyncio.to_thread(sha256_hex, data))
+
+    def _ask_request(self, request: web.Request, chat: ChatRequest, media: MediaInput | None) -> AskRequest:
+        """The pipeline's request for `chat`, under the id its body names (when usable) and the
+        prefix cache's salt of its API key and `cache_salt`."""
+        return AskRequest(
+            messages=chat.messages,
+            media=media,
+            sampling=chat.sampling,
+            generation=chat.generation,
+            request_id=tracing.adopt_request_id(chat.request_id),
+            pruning=chat.pruning,
+            raw_prompt=chat.raw_prompt,
+            template=chat.template,
+            cache_salt=request_cache_salt(
+                bool(self.config.http.api_keys),
+                bearer_token([("authorization", request.headers.get("Authorization", ""))]),
+                chat.cache_salt,
+                internal_secrets(self.config.server.security).presented,
+            ),
+        )
+
+    async def _whole_answer(self, chat: ChatRequest, events: AsyncIterator[PipelineEvent]) -> web.Response:
+        """The answer sent whole, at its end: a Responses answer's, shaped from its steps
+        (`response_body`); a chat answer's with a reasoning parser, parted and its reasoning
+        tokens counted from them in one pass (`completion_body`); a legacy completion's."""
+        thinking = self._thinking(chat)
+        steps: list[TokenStep] = []
+        async with aclosing(events):  # type: ignore[type-var]
+            async for item in events:
+                if isinstance(item, TokenStep) and (chat.responses is not None or thinking is not None):
+                    steps.append(item)
+                if isinstance(item, AskSummary):
+                    log_summary(item)
+                    build = self._answer_body(chat, item, thinking, steps)
+                    # the prompt's logprobs: up to half a million entries, written off the loop
+                    return await json_answer(build, off_loop=bool(item.prompt_logprobs))
+        raise RuntimeError("the pipeline ended without a summary")
+
+    def _answer_body(
+        self, chat: ChatRequest, summary: AskSummary, thinking: bool | None, steps: list[TokenStep]
+    ) -> Callable[[], dict[str, Any]]:
+        """What builds the whole answer's body (on a worker thread when it is large)."""
+        if chat.raw_prompt is not None:
+            return functools.partial(text_completion_body, summary, chat)
+        if chat.responses is not None:
+            return functools.partial(
+                response_body, summary, chat, thinking, steps, marker_ids=self._marker_ids(thinking)
+            )
+        return functools.partial(
+            completion_body,
+            summary,
+            chat.model,
+            role=chat.response_role,
+            echoed=chat.echoed_text,
+            thinking=thinking,
+            include_reasoning=chat.include_reasoning,
+            tool_choice=chat.tool_choice,
+            steps=steps,
+            marker_ids=self._marker_ids(thinking),
+        )
 
     def _check_reasoning_parser(self) -> None:
         """ServerMisconfigured (HTTP 500) for a chat request under a `--reasoning-parser` that the
@@ -565,434 +609,24 @@ class HttpApi:
     async def _stream(
         self, request: web.Request, chat: ChatRequest, request_id: str, events: AsyncIterator[PipelineEvent]
     ) -> web.StreamResponse:
-        stream = _Stream()
+        stream = SseStream(request, request_id, self.in_flight, self.config.http.sse_keepalive_s)
+        thinking = self._thinking(chat)
+        ids = self._marker_ids(thinking)
+        if chat.responses is not None:
+            shaper = ResponseEvents(chat, request_id, thinking, marker_ids=ids)
+            write = write_response_events(stream, shaper, events, log_summary)
+        else:
+            write = write_chat_events(
+                stream, ChatChunks(chat, request_id, thinking, ids), events, log_summary
+            )
         try:
-            await self._stream_events(request, chat, request_id, events, stream)
+            await stream.run(write)
         except ConnectionResetError:
             # Any write may find the client gone, the last ([DONE], the end of the chunked body)
             # too: that was an ERROR traceback and a 500 for a client that had read its answer.
             return client_gone_response(request_id, "mid-stream", stream.response)
         assert stream.response is not None
         return stream.response
-
-    async def _stream_events(
-        self,
-        request: web.Request,
-        chat: ChatRequest,
-        request_id: str,
-        events: AsyncIterator[PipelineEvent],
-        stream: _Stream,
-    ) -> None:
-        """Writes the answer's server-sent events to `stream.response`, made at the first token
-        (or at the first keep-alive, `_keep_alive`); raises ConnectionResetError when the client is
-        gone."""
-        keep_alive = None
-        if self.config.http.sse_keepalive_s > 0:
-            keep_alive = asyncio.ensure_future(self._keep_alive(request, request_id, stream))
-        try:
-            if chat.responses is not None:
-                await self._write_response_events(request, chat, request_id, events, stream)
-            else:
-                await self._write_events(request, chat, request_id, events, stream)
-        finally:
-            if keep_alive is not None:
-                keep_alive.cancel()
-                await asyncio.wait([keep_alive])
-
-    async def _keep_alive(self, request: web.Request, request_id: str, stream: _Stream) -> None:
-        """Until the first token: after every `sse_keepalive_s` without one, an SSE comment line,
-        which clients skip (the OpenAI SDK's parser among them), so that a proxy's idle timeout
-        (nginx's proxy_read_timeout: 60 s) does not cut a request whose media takes long to decode
-        and encode. The first one sends the 200 and the headers: an error after it is an error
-        event in the stream, as one after the first token is (vLLM answers 200 at once)."""
-        try:
-            while not stream.answering:
-                await asyncio.sleep(self.config.http.sse_keepalive_s)
-                if stream.answering:
-                    return
-                response = await stream.begin(request, request_id)
-                await response.write(b": keep-alive\n\n")
-        except ConnectionResetError:
-            return  # the client went away: the request's own task finds out at its next write
-
-    async def _write_events(
-        self,
-        request: web.Request,
-        chat: ChatRequest,
-        request_id: str,
-        events: AsyncIterator[PipelineEvent],
-        stream: _Stream,
-    ) -> None:
-        created = int(time.time())
-        num_tokens = 0
-        # Each choice's tokens so far, by index: a chunk's continuous usage counts its own choice's,
-        # as vLLM's (`previous_num_tokens[i]`); the final usage chunk sums them.
-        choice_tokens: dict[int, int] = {}
-        # Characters of each choice's text sent so far, by index (a completion's logprobs text_offset).
-        text_offsets: dict[int, int] = {}
-        call = current_call()
-        num_prompt_tokens = 0  # from prefill's "finished" event, for continuous usage
-        thinking = self._thinking(chat)
-        # The prompt's, when prefill computed them (`PromptLogprobs`): a completion's echo with
-        # logprobs streams them with the prompt's text.
-        prompt_logprobs: Sequence[TokenLogprob] | None = None
-        # Each choice's text parted into reasoning and content, by index (with --reasoning-parser),
-        # and the reasoning tokens of those finished (the final usage's).
-        ids = self._marker_ids(thinking)
-        parted = (
-            {} if thinking is None else {i: ReasoningStream(thinking, ids) for i in range(chat.generation.n)}
-        )
-        reasoning_tokens = 0
-        # Each choice's content parted into text and tool calls, by index (with tools to parse or force).
-        tooled = (
-            {i: ToolAnswerStream(chat.tool_choice) for i in range(chat.generation.n)}
-            if chat.tool_choice.mode != "none" and chat.raw_prompt is None
-            else {}
-        )
-
-        async def send(body: dict[str, Any], off_loop: bool = False) -> None:
-            """`off_loop`: a chunk with the prompt's logprobs, written on a worker thread (`json_answer`)."""
-            assert stream.response is not None
-            if chat.continuous_usage:
-                so_far = choice_tokens.get(body["choices"][0]["index"], 0) if body["choices"] else num_tokens
-                body.setdefault(
-                    "usage",
-                    {
-                        "prompt_tokens": num_prompt_tokens,
-                        "completion_tokens": so_far,
-                        "total_tokens": num_prompt_tokens + so_far,
-                    },
-                )
-            elif chat.include_usage:
-                body.setdefault("usage", None)
-            data = await asyncio.to_thread(json_bytes, body) if off_loop else json.dumps(body).encode()
-            await stream.response.write(b"data: " + data + b"\n\n")
-
-        finished: set[int] = set()  # the choices whose finish chunk went out, by index
-
-        async def finish(index: int, reason: str, stop: StopReason, details: dict | None = None) -> None:
-            """Choice `index`'s end: the tails its parsers held back (a reasoning marker's start, a
-            tool call's text), then its finish chunk ("tool_calls" when it made calls, as vLLM's;
-            with the summary's `epd` details on the request's last)."""
-            nonlocal reasoning_tokens
-            finished.add(index)
-            deltas = []
-            if (text := parted.pop(index, None)) is not None:
-                if delta := delta_fields(text.finish(), chat.include_reasoning):
-                    deltas.append(delta)
-                reasoning_tokens += text.num_reasoning_tokens
-            if (calls := tooled.pop(index, None)) is not None:
-                deltas += calls.finish()
-                reason = tool_finish_reason(
-                    chat.tool_choice, calls.num_calls, reason or "stop", streamed=True
-                )
-            for delta in deltas:
-                await send(chunk_body(request_id, chat.model, created, delta, token_ids=[], index=index))
-            final = _final_chunk(chat, request_id, created, index, reason, stop)
-            if details is not None:
-                final["epd"] = details
-            await send(final)
-
-        try:
-            async with aclosing(events):  # type: ignore[type-var]
-                async for item in events:
-                    if isinstance(item, PromptLogprobs):
-                        prompt_logprobs = item.prompt_logprobs
-                        continue
-                    if isinstance(item, StageEvent):
-                        if item.stage == Stage.PREFILL and item.state == "finished":
-                            num_prompt_tokens = int(item.details.get("num_prompt_tokens", 0))
-                        continue  # stage events have no place in OpenAI's format
-                    if not isinstance(item, (TokenStep, AskSummary)):
-                        continue
-                    if not stream.answering:
-                        stream.answering = True  # no keep-alive from now on
-                        await stream.begin(request, request_id)
-                        for index in range(chat.generation.n):  # each choice's opening, as vLLM's
-                            if chat.raw_prompt is None:
-                                await send(
-                                    chunk_body(
-                                        request_id,
-                                        chat.model,
-                                        created,
-                                        {"role": chat.response_role, "content": ""},
-                                        index=index,
-                                    )
-                                )
-                            if echoed := chat.echoed_text:  # in a chunk of its own, as vLLM streams an echo
-                                echo_logprobs = (
-                                    prompt_logprobs if chat.generation.logprobs is not None else None
-                                )
-                                echo_chunk = functools.partial(
-                                    _delta_chunk,
-                                    chat,
-                                    request_id,
-                                    created,
-                                    echoed,
-                                    None,
-                                    echo_logprobs,
-                                    index=index,
-                                )
-                                # with the prompt's logprobs (up to half a million entries): built
-                                # and written off the loop
-                                off_loop = bool(echo_logprobs)
-                                await send(
-                                    await asyncio.to_thread(echo_chunk) if off_loop else echo_chunk(),
-                                    off_loop=off_loop,
-                                )
-                                # The answer's offsets go on from the prompt tokens' (each token's
-                                # text), as in the whole answer's list (`text_completion_body`).
-                                text_offsets[index] = (
-                                    len(echoed)
-                                    if echo_logprobs is None
-                                    else sum(len(lp.token) for lp in echo_logprobs)
-                                )
-                    if isinstance(item, TokenStep):
-                        num_tokens += len(item.token_ids)
-                        choice_tokens[item.index] = choice_tokens.get(item.index, 0) + len(item.token_ids)
-                        if call is not None:  # what a cut's status (and the request metric) goes by
-                            call.num_tokens = num_tokens
-                        # echo_only: the prompt alone went out (vLLM's echo without generation)
-                        if (item.token_ids or item.text) and not chat.echo_only:
-                            split = parted[item.index].add(item.text, item.token_ids) if parted else None
-                            delta = None if split is None else delta_fields(split, chat.include_reasoning)
-                            more: list[
-                                dict[str, Any]
-                            ] = []  # tool call deltas past the first, in chunks of their own
-                            if tooled:
-                                delta, more = _tool_deltas(
-                                    tooled[item.index], delta, item.text if split is None else split.content
-                                )
-                            await send(
-                                _delta_chunk(
-                                    chat,
-                                    request_id,
-                                    created,
-                                    item.text,
-                                    item.token_ids,
-                                    item.logprobs,
-                                    text_offsets.get(item.index, 0),
-                                    item.index,
-                                    delta,
-                                )
-                            )
-                            for extra in more:
-                                await send(
-                                    chunk_body(
-                                        request_id, chat.model, created, extra, token_ids=[], index=item.index
-                                    )
-                                )
-                            text_offsets[item.index] = text_offsets.get(item.index, 0) + len(item.text)
-                        if item.finish_reason and len(finished) + 1 < chat.generation.n:
-                            # As vLLM: a choice's finish goes out when it finishes, while the
-                            # others go on; the last one's waits for the summary, which it carries.
-                            await finish(item.index, item.finish_reason, item.stop_reason)
-                        continue
-                    log_summary(item)
-                    num_prompt_tokens = item.num_prompt_tokens
-                    left = [c for c in item.all_choices() if c.index not in finished]
-                    for choice in left:  # the choices not finished yet; the last chunk carries the summary
-                        await finish(
-                            choice.index,
-                            choice.finish_reason,
-                            choice.stop_reason,
-                            epd_details(item) if choice is left[-1] else None,
-                        )
-                    if chat.include_usage:
-                        await send(
-                            {
-                                **_final_chunk(chat, request_id, created, None),
-                                "choices": [],
-                                "usage": usage(item, None if thinking is None else reasoning_tokens),
-                            }
-                        )
-        except ConnectionResetError:
-            raise
-        except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - mapped in status_of
-            response, body = await self._stream_failed(request, request_id, stream, exc, num_tokens)
-            await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
-        if stream.response is None:
-            raise RuntimeError("the pipeline ended without a token")
-        await stream.response.write(b"data: [DONE]\n\n")
-        await stream.response.write_eof()
-
-    async def _stream_failed(
-        self, request: web.Request, request_id: str, stream: _Stream, exc: BaseException, num_tokens: int
-    ) -> tuple[web.StreamResponse, dict[str, Any]]:
-        """A streamed answer's failure: (its response, already 200, and the error's body to send on
-        it); raises the error itself when nothing was sent yet (the caller answers with its own
-        status), or the cancel when its client went away."""
-        if isinstance(exc, asyncio.CancelledError):
-            if not self.in_flight.cutting:
-                raise exc  # its client went away
-            exc = self.in_flight.shutdown_error(num_tokens, request_id)
-        if (response := await stream.settled()) is None:
-            raise exc  # nothing sent yet: the caller answers with the error's own status
-        status, error_type, message = http_error_of(exc)
-        request[STREAM_ERROR_KEY] = status
-        if status == 500:
-            log.exception("internal error mid-stream in %s", request_id, exc_info=exc)
-        return response, error_body(tracing.with_request_id(message, request_id), error_type, status)
-
-    async def _write_response_events(
-        self,
-        request: web.Request,
-        chat: ChatRequest,
-        request_id: str,
-        events: AsyncIterator[PipelineEvent],
-        stream: _Stream,
-    ) -> None:
-        """A Responses API answer's semantic events (`ResponseEvents`), each an SSE `event:` and
-        `data:` pair; the 200 goes with the first token, as chat's; no [DONE] (OpenAI's stream
-        ends with response.completed)."""
-        thinking = self._thinking(chat)
-        shaper = ResponseEvents(chat, request_id, thinking, marker_ids=self._marker_ids(thinking))
-        call = current_call()
-        num_tokens = 0
-
-        async def send(items: list[dict[str, Any]]) -> None:
-            assert stream.response is not None
-            for event in items:
-                await stream.response.write(sse_event(event))
-
-        try:
-            async with aclosing(events):  # type: ignore[type-var]
-                async for item in events:
-                    if not isinstance(item, (TokenStep, AskSummary)):
-                        continue  # stage events and prompt logprobs have no place in the format
-                    if not stream.answering:
-                        stream.answering = True  # no keep-alive from now on
-                        await stream.begin(request, request_id)
-                        await send(shaper.start())
-                    if isinstance(item, TokenStep):
-                        num_tokens += len(item.token_ids)
-                        if call is not None:  # what a cut's status (and the request metric) goes by
-                            call.num_tokens = num_tokens
-                        await send(shaper.add(item.text, item.token_ids, item.logprobs))
-                        continue
-                    log_summary(item)
-                    await send(shaper.finish(item))
-        except ConnectionResetError:
-            raise
-        except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - mapped in status_of
-            response, body = await self._stream_failed(request, request_id, stream, exc, num_tokens)
-            for event in shaper.failed(body):
-                await response.write(sse_event(event))
-        if stream.response is None:
-            raise RuntimeError("the pipeline ended without a token")
-        await stream.response.write_eof()
-
-
-def sse_event(event: dict[str, Any]) -> bytes:
-    """One server-sent event named by its type, as OpenAI's Responses stream frames them."""
-    return f"event: {event['type']}\ndata: ".encode() + json.dumps(event).encode() + b"\n\n"
-
-
-def _tool_deltas(
-    stream: ToolAnswerStream, delta: dict[str, Any] | None, content: str | None
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """A step's delta with its content (`content`, after the reasoning parser's split when one is
-    set) passed through the choice's tool stream: (the step's delta, further deltas to send after
-    it). The reasoning fields stay in the step's own delta; the first of the tool stream's deltas
-    joins them."""
-    step = {k: v for k, v in (delta or {}).items() if k != "content"}
-    deltas = stream.add(content) if content else []
-    if deltas:
-        step.update(deltas[0])
-    return step, deltas[1:]
-
-
-def _delta_chunk(
-    chat: ChatRequest,
-    request_id: str,
-    created: int,
-    text: str,
-    token_ids: list[int] | None,
-    logprobs: Sequence[TokenLogprob] | None = None,
-    text_offset: int = 0,
-    index: int = 0,
-    delta: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """A streamed answer's chunk of new text for choice `index`: chat's delta, or a legacy
-    completion's text; `token_ids` None (no `token_ids` field): the echoed text, which no generated
-    token made. `logprobs`: those of `token_ids` when the request asked (a completion's first
-    `text_offset` is the length of the choice's text sent before this chunk, as vLLM streams it),
-    or, of the echoed text, the prompt's tokens' (the first with nulls).
-    `delta`: chat's, the text parted by the reasoning parser (None: `{"content": text}`)."""
-    if chat.raw_prompt is not None:
-        return text_completion_chunk(
-            request_id,
-            chat.model,
-            created,
-            text,
-            token_ids=token_ids,
-            logprobs=None if logprobs is None else completion_logprobs(logprobs, text_offset),
-            index=index,
-        )
-    return chunk_body(
-        request_id,
-        chat.model,
-        created,
-        {"content": text} if delta is None else delta,
-        token_ids=token_ids,
-        logprobs=logprobs,
-        index=index,
-    )
-
-
-def _final_chunk(
-    chat: ChatRequest,
-    request_id: str,
-    created: int,
-    index: int | None,
-    finish_reason: str = "",
-    stop: StopReason = None,
-) -> dict[str, Any]:
-    """The chunk with choice `index`'s finish reason (and vLLM's stop_reason); None: a chunk
-    without either (the usage chunk's frame)."""
-    finish = None if index is None else finish_reason or "stop"
-    index = index or 0
-    if chat.raw_prompt is not None:
-        return text_completion_chunk(
-            request_id, chat.model, created, "", finish, stop_reason=stop, index=index
-        )
-    return chunk_body(request_id, chat.model, created, {}, finish, stop_reason=stop, index=index)
-
-
-@dataclass
-class _Stream:
-    """A streamed answer's response, once its first token or keep-alive made it (None before)."""
-
-    response: web.StreamResponse | None = None
-    answering: bool = False
-    """The first chunk (the assistant's role) is being or has been sent."""
-    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    async def begin(self, request: web.Request, request_id: str) -> web.StreamResponse:
-        """The response, sent (200 and headers) by whichever comes first, the first token or a
-        keep-alive; `response` is set only once the headers are out, so a writer never finds
-        it unprepared."""
-        async with self._lock:
-            if self.response is None:
-                response = web.StreamResponse(
-                    headers={
-                        "Content-Type": "text/event-stream",
-                        "Cache-Control": "no-cache",
-                        tracing.REQUEST_ID_KEY: request_id,
-                    }
-                )
-                await response.prepare(request)
-                request[STREAM_BEGUN_KEY] = True
-                self.response = response
-            return self.response
-
-    async def settled(self) -> web.StreamResponse | None:
-        """The response once no keep-alive can begin one any more (None: nothing was sent). A
-        keep-alive sending the headers right as the answer failed would otherwise leave the
-        handler answering with a status on a connection that already had its 200."""
-        self.answering = True
-        async with self._lock:
-            return self.response
 
 
 def client_gone_response(

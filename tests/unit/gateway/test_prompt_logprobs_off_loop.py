@@ -238,10 +238,10 @@ def test_an_http_answer_with_prompt_logprobs_is_built_and_written_off_the_event_
 
 def test_a_streamed_echo_with_logprobs_is_built_and_written_off_the_event_loop(monkeypatch):
     """A streamed legacy completion with echo and logprobs sends the prompt's logprobs in its echo chunk."""
-    from epd.gateway import http_api
+    from epd.gateway import sse_stream
 
     written = _Threads()
-    monkeypatch.setattr(http_api, "json_bytes", written.wrap(http_api.json_bytes))
+    monkeypatch.setattr(sse_stream, "json_bytes", written.wrap(sse_stream.json_bytes))
     body = {
         "model": "epd",
         "max_tokens": 1,

@@ -1,0 +1,300 @@
+"""A streamed chat answer's chunks (`chat.completion.chunk`s) and a streamed legacy completion's
+(`text_completion`s), shaped from the pipeline's events as they come. No HTTP here: the bodies
+are framed as server-sent events by `epd.gateway.sse_stream.write_chat_events`.
+
+A stream, as vLLM's: per choice, its opening (chat's: the assistant's role and "" content; then
+the echoed text in a chunk of its own, with `echo`); each token step's text (chat's parted into
+reasoning and content by the reasoning parser, the content read for tool calls by the choice's
+tool stream; a completion's with its logprobs' text offsets); each choice's finish chunk, sent
+when it finishes while others go on, the last one's with the summary, which it carries as `epd`
+details; with stream_options include_usage a last chunk of no choices with the usage. Every chunk
+carries `usage`: null with include_usage, the usage so far with continuous_usage_stats too.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from epd.gateway.completions_protocol import text_completion_chunk
+from epd.gateway.logprobs_protocol import completion_logprobs
+from epd.gateway.openai_protocol import ChatRequest, chunk_body, epd_details, usage
+from epd.gateway.pipeline import AskSummary, PromptLogprobs
+from epd.gateway.reasoning import MarkerIds, ReasoningStream, delta_fields
+from epd.gateway.tool_parsers.answer import ToolAnswerStream, tool_finish_reason
+from epd.model_runtime.detokenizer import StopReason
+from epd.model_runtime.logprobs import TokenLogprob
+from epd.stages.contracts import StageEvent, TokenStep
+from epd.stages.names import Stage
+
+
+class ChatChunks:
+    """One streamed answer's chunk bodies: `note` the events before its tokens (prefill's prompt
+    token count, the prompt's logprobs), then each choice's `opening` and `echo`, each token step's
+    chunks (`add`) and the end's (`finish`). `thinking` None: no reasoning parser; `marker_ids`:
+    the think markers' token ids, by which the reasoning tokens are counted (None: by the text)."""
+
+    def __init__(
+        self,
+        chat: ChatRequest,
+        request_id: str,
+        thinking: bool | None,
+        marker_ids: MarkerIds | None = None,
+        created: int | None = None,
+    ) -> None:
+        self.chat = chat
+        self.request_id = request_id
+        self.thinking = thinking
+        self.created = int(time.time()) if created is None else created
+        self.num_tokens = 0
+        """The answer's tokens so far, every choice's (continuous usage; a cut's status goes by it)."""
+        self.num_prompt_tokens = 0  # from prefill's "finished" event, for continuous usage
+        # Each choice's tokens so far, by index: a chunk's continuous usage counts its own choice's,
+        # as vLLM's (`previous_num_tokens[i]`); the final usage chunk sums them.
+        self.choice_tokens: dict[int, int] = {}
+        # Characters of each choice's text sent so far, by index (a completion's logprobs text_offset).
+        self.text_offsets: dict[int, int] = {}
+        # The prompt's, when prefill computed them (`PromptLogprobs`): a completion's echo with
+        # logprobs streams them with the prompt's text.
+        self.prompt_logprobs: Sequence[TokenLogprob] | None = None
+        # Each choice's text parted into reasoning and content, by index (with --reasoning-parser),
+        # and the reasoning tokens of those finished (the final usage's).
+        self.parted = (
+            {}
+            if thinking is None
+            else {i: ReasoningStream(thinking, marker_ids) for i in range(chat.generation.n)}
+        )
+        self.reasoning_tokens = 0
+        # Each choice's content parted into text and tool calls, by index (with tools to parse or force).
+        self.tooled = (
+            {i: ToolAnswerStream(chat.tool_choice) for i in range(chat.generation.n)}
+            if chat.tool_choice.mode != "none" and chat.raw_prompt is None
+            else {}
+        )
+        self.finished: set[int] = set()  # the choices whose finish chunk went out, by index
+
+    def note(self, event: StageEvent | PromptLogprobs) -> None:
+        """An event before the tokens: prefill's "finished" (the prompt's token count, for
+        continuous usage) or the prompt's logprobs (a completion's echo streams them)."""
+        if isinstance(event, PromptLogprobs):
+            self.prompt_logprobs = event.prompt_logprobs
+        elif event.stage == Stage.PREFILL and event.state == "finished":
+            self.num_prompt_tokens = int(event.details.get("num_prompt_tokens", 0))
+
+    def opening(self, index: int) -> list[dict[str, Any]]:
+        """Choice `index`'s first chunk, the assistant's role (chat's, as vLLM's; a legacy
+        completion has none)."""
+        if self.chat.raw_prompt is not None:
+            return []
+        role = {"role": self.chat.response_role, "content": ""}
+        return [
+            self._with_usage(chunk_body(self.request_id, self.chat.model, self.created, role, index=index))
+        ]
+
+    @property
+    def echo_is_costly(self) -> bool:
+        """The echo carries the prompt's logprobs (up to half a million entries): the writer builds
+        and writes it off the event loop."""
+        return bool(self.chat.echoed_text and self._echo_logprobs())
+
+    def echo(self, index: int) -> dict[str, Any] | None:
+        """Choice `index`'s echoed text, in a chunk of its own as vLLM streams an echo (None
+        without `echo`), with the prompt's logprobs when the request asked for logprobs."""
+        if not (echoed := self.chat.echoed_text):
+            return None
+        echo_logprobs = self._echo_logprobs()
+        chunk = _delta_chunk(
+            self.chat, self.request_id, self.created, echoed, None, echo_logprobs, index=index
+        )
+        # The answer's offsets go on from the prompt tokens' (each token's text), as in the whole
+        # answer's list (`text_completion_body`).
+        self.text_offsets[index] = (
+            len(echoed) if echo_logprobs is None else sum(len(lp.token) for lp in echo_logprobs)
+        )
+        return self._with_usage(chunk)
+
+    def add(self, step: TokenStep) -> list[dict[str, Any]]:
+        """A token step's chunks: its text's (the reasoning parser's split, the tool calls read so
+        far, each call delta past the first in a chunk of its own), then its choice's end when it
+        finished while others go on (as vLLM's; the last one's waits for the summary)."""
+        self.num_tokens += len(step.token_ids)
+        self.choice_tokens[step.index] = self.choice_tokens.get(step.index, 0) + len(step.token_ids)
+        chat = self.chat
+        chunks: list[dict[str, Any]] = []
+        # echo_only: the prompt alone went out (vLLM's echo without generation)
+        if (step.token_ids or step.text) and not chat.echo_only:
+            split = self.parted[step.index].add(step.text, step.token_ids) if self.parted else None
+            delta = None if split is None else delta_fields(split, chat.include_reasoning)
+            more: list[dict[str, Any]] = []  # tool call deltas past the first, in chunks of their own
+            if self.tooled:
+                delta, more = _tool_deltas(
+                    self.tooled[step.index], delta, step.text if split is None else split.content
+                )
+            chunks.append(
+                _delta_chunk(
+                    chat,
+                    self.request_id,
+                    self.created,
+                    step.text,
+                    step.token_ids,
+                    step.logprobs,
+                    self.text_offsets.get(step.index, 0),
+                    step.index,
+                    delta,
+                )
+            )
+            for extra in more:
+                chunks.append(
+                    chunk_body(
+                        self.request_id, chat.model, self.created, extra, token_ids=[], index=step.index
+                    )
+                )
+            self.text_offsets[step.index] = self.text_offsets.get(step.index, 0) + len(step.text)
+        if step.finish_reason and len(self.finished) + 1 < chat.generation.n:
+            chunks += self._finish_choice(step.index, step.finish_reason, step.stop_reason)
+        return [self._with_usage(chunk) for chunk in chunks]
+
+    def finish(self, summary: AskSummary) -> list[dict[str, Any]]:
+        """The answer's end: the choices not finished yet, the last one's chunk carrying the
+        summary (`epd_details`), then with include_usage the usage chunk."""
+        self.num_prompt_tokens = summary.num_prompt_tokens
+        chunks: list[dict[str, Any]] = []
+        left = [c for c in summary.all_choices() if c.index not in self.finished]
+        for choice in left:
+            chunks += self._finish_choice(
+                choice.index,
+                choice.finish_reason,
+                choice.stop_reason,
+                epd_details(summary) if choice is left[-1] else None,
+            )
+        if self.chat.include_usage:
+            chunks.append(
+                {
+                    **_final_chunk(self.chat, self.request_id, self.created, None),
+                    "choices": [],
+                    "usage": usage(summary, None if self.thinking is None else self.reasoning_tokens),
+                }
+            )
+        return [self._with_usage(chunk) for chunk in chunks]
+
+    def _finish_choice(
+        self, index: int, reason: str, stop: StopReason, details: dict | None = None
+    ) -> list[dict[str, Any]]:
+        """Choice `index`'s end: the tails its parsers held back (a reasoning marker's start, a
+        tool call's text), then its finish chunk ("tool_calls" when it made calls, as vLLM's;
+        with the summary's `epd` details on the request's last)."""
+        chat = self.chat
+        self.finished.add(index)
+        deltas = []
+        if (text := self.parted.pop(index, None)) is not None:
+            if delta := delta_fields(text.finish(), chat.include_reasoning):
+                deltas.append(delta)
+            self.reasoning_tokens += text.num_reasoning_tokens
+        if (calls := self.tooled.pop(index, None)) is not None:
+            deltas += calls.finish()
+            reason = tool_finish_reason(chat.tool_choice, calls.num_calls, reason or "stop", streamed=True)
+        chunks = [
+            chunk_body(self.request_id, chat.model, self.created, delta, token_ids=[], index=index)
+            for delta in deltas
+        ]
+        final = _final_chunk(chat, self.request_id, self.created, index, reason, stop)
+        if details is not None:
+            final["epd"] = details
+        return [*chunks, final]
+
+    def _with_usage(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        """`chunk` with the usage stream_options ask for, unless it has its own (the usage chunk's):
+        with continuous_usage_stats the usage so far (its choice's tokens), with include_usage
+        alone null."""
+        if self.chat.continuous_usage:
+            so_far = (
+                self.choice_tokens.get(chunk["choices"][0]["index"], 0)
+                if chunk["choices"]
+                else self.num_tokens
+            )
+            chunk.setdefault(
+                "usage",
+                {
+                    "prompt_tokens": self.num_prompt_tokens,
+                    "completion_tokens": so_far,
+                    "total_tokens": self.num_prompt_tokens + so_far,
+                },
+            )
+        elif self.chat.include_usage:
+            chunk.setdefault("usage", None)
+        return chunk
+
+    def _echo_logprobs(self) -> Sequence[TokenLogprob] | None:
+        return self.prompt_logprobs if self.chat.generation.logprobs is not None else None
+
+
+def _tool_deltas(
+    stream: ToolAnswerStream, delta: dict[str, Any] | None, content: str | None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A step's delta with its content (`content`, after the reasoning parser's split when one is
+    set) passed through the choice's tool stream: (the step's delta, further deltas to send after
+    it). The reasoning fields stay in the step's own delta; the first of the tool stream's deltas
+    joins them."""
+    step = {k: v for k, v in (delta or {}).items() if k != "content"}
+    deltas = stream.add(content) if content else []
+    if deltas:
+        step.update(deltas[0])
+    return step, deltas[1:]
+
+
+def _delta_chunk(
+    chat: ChatRequest,
+    request_id: str,
+    created: int,
+    text: str,
+    token_ids: list[int] | None,
+    logprobs: Sequence[TokenLogprob] | None = None,
+    text_offset: int = 0,
+    index: int = 0,
+    delta: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A streamed answer's chunk of new text for choice `index`: chat's delta, or a legacy
+    completion's text; `token_ids` None (no `token_ids` field): the echoed text, which no generated
+    token made. `logprobs`: those of `token_ids` when the request asked (a completion's first
+    `text_offset` is the length of the choice's text sent before this chunk, as vLLM streams it),
+    or, of the echoed text, the prompt's tokens' (the first with nulls).
+    `delta`: chat's, the text parted by the reasoning parser (None: `{"content": text}`)."""
+    if chat.raw_prompt is not None:
+        return text_completion_chunk(
+            request_id,
+            chat.model,
+            created,
+            text,
+            token_ids=token_ids,
+            logprobs=None if logprobs is None else completion_logprobs(logprobs, text_offset),
+            index=index,
+        )
+    return chunk_body(
+        request_id,
+        chat.model,
+        created,
+        {"content": text} if delta is None else delta,
+        token_ids=token_ids,
+        logprobs=logprobs,
+        index=index,
+    )
+
+
+def _final_chunk(
+    chat: ChatRequest,
+    request_id: str,
+    created: int,
+    index: int | None,
+    finish_reason: str = "",
+    stop: StopReason = None,
+) -> dict[str, Any]:
+    """The chunk with choice `index`'s finish reason (and vLLM's stop_reason); None: a chunk
+    without either (the usage chunk's frame)."""
+    finish = None if index is None else finish_reason or "stop"
+    index = index or 0
+    if chat.raw_prompt is not None:
+        return text_completion_chunk(
+            request_id, chat.model, created, "", finish, stop_reason=stop, index=index
+        )
+    return chunk_body(request_id, chat.model, created, {}, finish, stop_reason=stop, index=index)
