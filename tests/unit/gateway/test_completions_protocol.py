@@ -52,7 +52,7 @@ def test_one_prompt_as_text_or_token_ids(prompt, expected):
         ({"prompt": [1, -2]}, r"'prompt\[\]' must be an integer from 0"),
         ({"prompt": [True]}, "'prompt' must be a string or a list of token ids"),
         ({"prompt": "a", "logprobs": -1}, "'logprobs' must be an integer from 0 to"),
-        ({"prompt": "a", "logprobs": True}, "'logprobs' must be an integer"),
+        ({"prompt": "a", "logprobs": 1.5}, "'logprobs' must be an integer"),
         ({"prompt": "a", "prompt_logprobs": 1, "stream": True}, "'prompt_logprobs' is not available with"),
         ({"prompt": "a", "prompt_logprobs": -1}, "'prompt_logprobs' must be an integer from 0 to"),
         ({"prompt": "a", "suffix": "end"}, "'suffix' is not supported by this server"),

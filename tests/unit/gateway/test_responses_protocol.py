@@ -163,7 +163,7 @@ def test_a_named_function_and_text_format_are_chats():
             '"code_interpreter_call.outputs", .*"reasoning.encrypted_content"',
         ),
         ({"input": "hi", "include": "message.output_text.logprobs"}, "'include' must be a list of strings"),
-        ({"input": "hi", "top_logprobs": "2"}, "'top_logprobs' must be an integer"),
+        ({"input": "hi", "top_logprobs": "2.5"}, "'top_logprobs' must be an integer"),
         ({"input": [{"role": "robot", "content": "x"}]}, "message roles must be"),
         ({"input": "hi", "best_of": 2}, "'best_of' is not supported"),
         ({"input": "hi", "mm_processor_kwargs": {"fps": 1}}, 'frame sampling goes in "media"'),
@@ -520,6 +520,21 @@ def test_without_include_no_logprobs_are_asked_or_sent():
     request = parse(input="hi", top_logprobs=2)
     body = whole(summary("hello"), request, None)
     assert body["top_logprobs"] is None and "logprobs" not in body["output"][0]["content"][0]
+
+
+def test_top_logprobs_is_read_as_vllms_int_with_or_without_the_include():
+    """vLLM's request types top_logprobs `int`, which pydantic's lax mode reads from 2.0, "2" and
+    true (1) too: taken here as there, ignored without the include; 2.5 or "two" is a 400 either way."""
+    for top, k in ((2.0, 2), ("2", 2), (" 3 ", 3), (True, 1), ("1_0", 10)):
+        assert parse(input="hi", top_logprobs=top).generation.logprobs is None
+        assert (
+            parse(input="hi", top_logprobs=top, include=["message.output_text.logprobs"]).generation.logprobs
+            == k
+        )
+    for bad in (2.5, "2.5", "two", [2], {"k": 2}):
+        for include in ([], ["message.output_text.logprobs"]):
+            with pytest.raises(InvalidRequest, match="'top_logprobs' must be an integer"):
+                parse(input="hi", top_logprobs=bad, include=include)
 
 
 GONE = {"error": {"message": "gone", "type": "server_error", "param": None, "code": 502}}
