@@ -20,7 +20,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from epd.gateway.json_fields import INT32_MAX, TOKEN_ID, boolean_field, checked_text, number_item
+from epd.gateway.json_fields import INT32_MAX, TOKEN_ID, boolean_field, checked_text, lax_int, number_item
 from epd.gateway.logprobs_protocol import (
     completion_logprobs,
     completion_logprobs_option,
@@ -127,7 +127,9 @@ def _prompt(value: Any) -> RawPrompt:
         value = value[0]
     if isinstance(value, str):
         return RawPrompt(text=checked_text(value, "prompt"))
-    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    # vLLM's `list[int]`, read as it reads an int (`lax_int`: 7.0 and true too); a list of strings
+    # is a batch of prompts (above), as vLLM's union takes it.
+    if isinstance(value, list) and all(lax_int(v) is not None for v in value):
         return RawPrompt(token_ids=tuple(number_item(v, TOKEN_ID, "prompt[]") for v in value))
     raise InvalidRequest(
         f"'prompt' must be a string or a list of token ids (integers from 0 to {INT32_MAX}); {_ONE_PROMPT}"

@@ -5,7 +5,8 @@ send, never a 5xx deeper in, nor a value the wire to the stages cannot carry.
     NumberRange   a numeric field's type and range: at most its proto field's, so every
                   accepted value also crosses the wire (TOKEN_ID: any int32 id; the
                   vocabulary's bound is the stages' to check)
-    number_field  body[name] within a range; number_item: one entry of a list or object
+    number_field  body[name] within a range; number_item: one entry of a list or object. An
+                  integer field takes what vLLM's does (`lax_int`)
     boolean_field body[name] as true or false (never 0 or 1)
     checked_text  a string that can be sent on as UTF-8 (no lone surrogates)
     check_collection  an object or list of at most so many entries
@@ -18,6 +19,7 @@ bodies with these.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,15 +77,40 @@ def boolean_field(body: dict, name: str, default: bool, label: str | None = None
     return value
 
 
+_INT_TEXT = re.compile(r"[+-]?[0-9]+(?:_[0-9]+)*(?:\.0+)?", re.ASCII)
+"""A string pydantic reads as an integer: digits (single underscores between them), a sign, a
+zero fractional part."""
+
+
+def lax_int(value: Any) -> int | None:
+    """`value` read as vLLM reads an `int` field of its requests (a pydantic model, validated in
+    pydantic's lax mode: vllm/entrypoints/openai/engine/protocol.py's `OpenAIBaseModel` sets no
+    strict mode), or None when vLLM refuses it: an integer; true and false (1 and 0); a finite
+    number without a fractional part (2.0); a string of an integer, as pydantic parses it ("16",
+    " 2.0 ", "1_000"; not "2.5", "1e3" nor "0x10"). A client that vLLM serves is served here."""
+    if isinstance(value, int):  # bool too: pydantic's lax int takes true as 1
+        return int(value)
+    if isinstance(value, float):
+        return int(value) if math.isfinite(value) and value.is_integer() else None
+    if isinstance(value, str) and _INT_TEXT.fullmatch(text := value.strip()):
+        try:
+            return int(text.partition(".")[0])
+        except ValueError:  # more digits than Python parses from a string (pydantic's bound is lower)
+            return None
+    return None
+
+
 def number_field(body: dict, name: str, spec: NumberRange, default: Any) -> Any:
-    """body[name] as spec.kind within its range (ints are never taken for bools, nor floats for
-    ints); `default` when absent or null."""
+    """body[name] as spec.kind within its range (an integer as vLLM reads one, `lax_int`; a float
+    from a number, never a bool); `default` when absent or null."""
     value = body.get(name)
     if value is None:
         return default
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if spec.kind is int:
-        ok = ok and isinstance(value, int)
+        number = lax_int(value)
+        ok = number is not None
+        value = value if number is None else number
     elif ok:
         try:
             value = float(value)  # an integer of 400 digits overflows: not a usable number

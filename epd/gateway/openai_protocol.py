@@ -51,6 +51,7 @@ from epd.gateway.json_fields import (
     boolean_field,
     check_collection,
     checked_text,
+    lax_int,
     number_field,
     number_item,
     shown_value,
@@ -397,7 +398,7 @@ def check_model(body: Any, served_model: str) -> str:
     `n`): the model's name, else InvalidRequest (400) or NotFound (404)."""
     model = requested_model(body, served_model)
     n = body.get("n")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES):
+    if n is not None and not 1 <= (lax_int(n) or 0) <= MAX_CHOICES:
         raise InvalidRequest(
             f"'n' must be an integer from 1 to {MAX_CHOICES} (choices per request), got {shown_value(n)}; "
             "send more requests for more choices"
@@ -663,7 +664,7 @@ def _generation(body: dict, defaults: GenerationConfig) -> GenerationConfig:
         spaces_between_special_tokens=boolean_field(
             body, "spaces_between_special_tokens", defaults.spaces_between_special_tokens
         ),
-        n=body.get("n") or defaults.n,  # checked by `check_model`
+        n=lax_int(body.get("n")) or defaults.n,  # checked by `check_model`
         structured_outputs=parse_structured_outputs(body),
     )
 

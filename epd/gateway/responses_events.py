@@ -28,7 +28,9 @@ item or a call has no logprobs, so those tokens' are left out (vLLM's whole answ
 token's on the message). The content's tokens are told by token, those after the one that reads
 `</think>` (`ReasoningStream.num_content_tokens`), so a step that begins inside the block and ends
 it gives the message the tokens after the marker's; text held back (by a parser, or by decode for a
-stop string's possible start) takes its tokens' along to the delta that releases it.
+stop string's possible start) takes its tokens' along to the delta that releases it. The message's
+last tokens whose text a stop string cut keep theirs (vLLM's whole message and chat keep every
+token's): a last output_text.delta of no text carries them.
 """
 
 from __future__ import annotations
@@ -137,6 +139,13 @@ class ResponseEvents:
             events += self._reasoning_text(self._reasoning.finish().reasoning or "")
         if self._tools is not None:
             events += self._deltas(self._tools.finish())
+        if self._held_logprobs and self._open is not None and self._open["type"] == "message":
+            # The message's last tokens made no text it got: a stop string cut it (or a character
+            # was left unfinished). vLLM's message keeps their logprobs, every token's (chat's does
+            # too, epd's and vLLM's): sent on a last delta of no text. Without a message there is
+            # nothing to carry them (vLLM makes none for an answer of no text either).
+            events += self._message_text("")
+        self._held_logprobs = []
         status = "incomplete" if summary.finish_reason == "length" else "completed"
         events += self._close(status)
         response = self.response(status, summary)

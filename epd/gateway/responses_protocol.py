@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from epd.gateway.json_fields import shown_value
+from epd.gateway.json_fields import lax_int, shown_value
 from epd.gateway.openai_protocol import (
     KNOWN_CHAT_FIELDS,
     UNSUPPORTED_CHAT_FIELDS,
@@ -221,9 +221,9 @@ def _logprobs(body: dict[str, Any]) -> dict[str, Any]:
         )
     if LOGPROBS_INCLUDE not in include:
         # vLLM's: top_logprobs is read only with the include (`to_sampling_params`), ignored
-        # without it; an integer all the same, as its request's schema types it.
+        # without it; an integer all the same (any: its request's `int`, read as `lax_int` reads it).
         top = body.get("top_logprobs")
-        if top is not None and (not isinstance(top, int) or isinstance(top, bool)):
+        if top is not None and lax_int(top) is None:
             raise InvalidRequest(f"'top_logprobs' must be an integer, got {shown_value(top)}")
         return {"logprobs": False}
     return {"logprobs": True, "top_logprobs": body.get("top_logprobs")}

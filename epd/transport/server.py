@@ -134,7 +134,10 @@ class UnaryRequestParsing(grpc.aio.ServerInterceptor):
     "Unexpected <class 'google.protobuf.message.DecodeError'>" (gRPC parses it before any handler
     runs, and answers what that raises with UNKNOWN). A request stream's messages are parsed as
     the servicer reads them, so `rpc_errors` already maps theirs. Innermost: the handler below
-    it gets the parsed request, those above it the bytes."""
+    it gets the parsed request, those above it the bytes. The handler it makes is a coroutine (or
+    an async generator), which the interceptors above it await: a synchronous handler (a plain
+    `def`, or a generator) runs on a worker thread as gRPC would run it, with its context's
+    coroutine methods (`abort`, ...) waited for on the loop (`_ThreadContext`)."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -158,18 +161,71 @@ class UnaryRequestParsing(grpc.aio.ServerInterceptor):
                         yield response
 
             wrapped: Any = streaming
-        else:
+        elif inspect.iscoroutinefunction(behavior):
 
             async def unary(request: bytes, context):
                 return await behavior(await parsed(request, context), context)
 
             wrapped = unary
+        elif handler.response_streaming:
+
+            async def thread_streaming(request: bytes, context):
+                message = await parsed(request, context)
+                responses = iter(await asyncio.to_thread(behavior, message, _ThreadContext(context)))
+                try:
+                    while (response := await asyncio.to_thread(next, responses, _END)) is not _END:
+                        yield response
+                finally:
+                    if close := getattr(responses, "close", None):  # a generator's cleanup, now
+                        await asyncio.to_thread(close)
+
+            wrapped = thread_streaming
+        else:
+
+            async def thread_unary(request: bytes, context):
+                message = await parsed(request, context)
+                return await asyncio.to_thread(behavior, message, _ThreadContext(context))
+
+            wrapped = thread_unary
         make = (
             grpc.unary_stream_rpc_method_handler
             if handler.response_streaming
             else grpc.unary_unary_rpc_method_handler
         )
         return make(wrapped, request_deserializer=None, response_serializer=handler.response_serializer)
+
+
+_END = object()
+"""The end of a synchronous handler's responses (`next`'s default)."""
+
+
+class _ThreadContext:
+    """A grpc.aio call's context as a synchronous handler uses it on its worker thread: what the
+    context's methods return is the handler's, but for a coroutine (`abort`,
+    `send_initial_metadata`, ...), which runs on the event loop and is waited for, as gRPC's own
+    context for a synchronous handler on an aio server does (so `abort` raises here, ending the
+    handler with the status it set)."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
+        self._loop = asyncio.get_running_loop()
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._context, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            result = attribute(*args, **kwargs)
+            if not inspect.isawaitable(result):
+                return result
+            return asyncio.run_coroutine_threadsafe(_awaited(result), self._loop).result()
+
+        return call
+
+
+async def _awaited(result: Awaitable[Any]) -> Any:
+    return await result
 
 
 async def create_server(

@@ -130,6 +130,65 @@ def test_logprobs_are_chats_on_the_text_and_its_deltas(client, video_url):
     assert [lp.model_dump() for lp in done.logprobs] == deltas
 
 
+def test_a_stop_strings_tokens_keep_their_logprobs_as_chats(client, video_url):
+    """A stop string whose tokens' text is cut from the answer: chat's logprobs keep those tokens'
+    (vLLM's chat and its whole Responses message too, every output token's), and so does the
+    Responses message, whole and streamed (its last delta, of no text, carries them)."""
+
+    def chat_answer(stop: str | None = None):
+        return client.chat.completions.create(
+            model="epd",
+            messages=[{"role": "user", "content": _parts(video_url)}],
+            max_tokens=MAX_TOKENS,
+            logprobs=True,
+            stop=stop,
+            extra_body=MEDIA,
+        )
+
+    plain = chat_answer()
+    tokens = [lp.token for lp in plain.choices[0].logprobs.content]
+    answer = "".join(tokens)
+    # A later token of one character whose text first appears where it stands: the stop string it
+    # completes, in a step of its own whose text is cut (decode holds back no text for a stop
+    # string of one character; it and the token before are whole characters: a token that ends a
+    # character sends the text of the one before it with its own).
+    i = next(
+        i
+        for i in range(2, len(tokens))
+        if len(tokens[i]) == 1
+        and tokens[i].strip()
+        and "\ufffd" not in tokens[i - 1] + tokens[i]
+        and answer.find(tokens[i]) == len("".join(tokens[:i]))
+    )
+    stop = tokens[i]
+    chat = chat_answer(stop)
+    want = [lp.model_dump() for lp in chat.choices[0].logprobs.content]
+    assert chat.choices[0].message.content == "".join(tokens[:i]) and len(want) == i + 1
+    ask = {
+        "model": "epd",
+        "input": [{"role": "user", "content": _parts(video_url)}],
+        "max_output_tokens": MAX_TOKENS,
+        "include": ["message.output_text.logprobs"],
+        "extra_body": {**MEDIA, "stop": stop},
+    }
+
+    def assert_chats(logprobs: list) -> None:
+        """Chat's tokens, and their numbers but for float noise: two runs of a request may differ
+        in the last bits (one reusing the other's prompt KV)."""
+        got = [lp.model_dump() for lp in logprobs]
+        assert [lp["token"] for lp in got] == [lp["token"] for lp in want]
+        assert [lp["logprob"] for lp in got] == pytest.approx([lp["logprob"] for lp in want], abs=1e-4)
+
+    response = client.responses.create(**ask)
+    (text,) = response.output[0].content
+    assert text.text == chat.choices[0].message.content
+    assert_chats(text.logprobs)
+
+    events = list(client.responses.create(**ask, stream=True))
+    assert_chats([lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs])
+    assert_chats(events[-1].response.output[0].content[0].logprobs)
+
+
 def test_a_named_function_is_a_function_call_item(client, shared_stack, tiny_models):
     compact = no_whitespace_bias(tiny_models["qwen2_vl"])
     chat = client.chat.completions.create(

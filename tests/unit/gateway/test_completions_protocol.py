@@ -28,6 +28,7 @@ def parse(**body):
         (["once upon"], RawPrompt("once upon")),
         ([1, 2, 3], RawPrompt(token_ids=(1, 2, 3))),
         ([[1, 2, 3]], RawPrompt(token_ids=(1, 2, 3))),
+        ([1.0, "2", True], RawPrompt(token_ids=(1, 2, 1))),  # vLLM's list[int], pydantic's lax ints
     ],
 )
 def test_one_prompt_as_text_or_token_ids(prompt, expected):
@@ -50,9 +51,9 @@ def test_one_prompt_as_text_or_token_ids(prompt, expected):
         ({}, "'prompt' must be a string or a list of token ids"),
         ({"prompt": [1, "a"]}, "'prompt' must be a string or a list of token ids"),
         ({"prompt": [1, -2]}, r"'prompt\[\]' must be an integer from 0"),
-        ({"prompt": [True]}, "'prompt' must be a string or a list of token ids"),
+        ({"prompt": [1.5]}, "'prompt' must be a string or a list of token ids"),
         ({"prompt": "a", "logprobs": -1}, "'logprobs' must be an integer from 0 to"),
-        ({"prompt": "a", "logprobs": True}, "'logprobs' must be an integer"),
+        ({"prompt": "a", "logprobs": 1.5}, "'logprobs' must be an integer"),
         ({"prompt": "a", "prompt_logprobs": 1, "stream": True}, "'prompt_logprobs' is not available with"),
         ({"prompt": "a", "prompt_logprobs": -1}, "'prompt_logprobs' must be an integer from 0 to"),
         ({"prompt": "a", "suffix": "end"}, "'suffix' is not supported by this server"),

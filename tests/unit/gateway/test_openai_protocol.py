@@ -123,8 +123,8 @@ def test_image_part_and_string_url():
         ({"echo": 1}, "'echo' must be true or false, got 1"),
         ({"messages": [{"role": "user", "content": []}]}, "non-empty list of content parts"),
         ({"media": {"frames": 3}}, "unknown media options"),
-        ({"media": {"num_frames": True}}, "'num_frames' must be an integer"),
-        ({"max_tokens": "9"}, "'max_tokens' must be an integer"),
+        ({"media": {"num_frames": [8]}}, "'num_frames' must be an integer"),
+        ({"max_tokens": "9.5"}, "'max_tokens' must be an integer"),
         ({"max_tokens": 0}, "'max_tokens' must be an integer from 1 to 2147483647, got 0"),
         ({"top_p": 0}, "'top_p' must be a finite number > 0 and <= 1, got 0"),
         ({"stop": [1]}, "list of strings"),
@@ -135,7 +135,7 @@ def test_image_part_and_string_url():
             r"'n' must be an integer from 1 to 16 \(choices per request\), got 17; send more requests",
         ),
         ({"n": 0}, "'n' must be an integer from 1 to 16"),
-        ({"n": 2.0}, "'n' must be an integer from 1 to 16"),
+        ({"n": 2.5}, "'n' must be an integer from 1 to 16"),
         ({"logprobs": False, "top_logprobs": 3}, "'top_logprobs' .3. needs \"logprobs\": true"),
         ({"top_logprobs": 1}, 'needs "logprobs": true'),
         ({"logprobs": True, "top_logprobs": -1}, "'top_logprobs' must be an integer from 0 to"),
@@ -240,7 +240,7 @@ NAN, INF = float("nan"), float("inf")
         ({"media": {"end_time_s": INF}}, "'end_time_s' must be a finite number > 0"),
         ({"media": {"fps": 10**400}}, "'fps' must be a finite number > 0 and <= 1000, got a huge integer"),
         ({"media": {"num_frames": 2**40}}, "'num_frames' must be an integer from 1 to 2147483647"),
-        ({"media": {"num_frames": 8.0}}, "'num_frames' must be an integer"),
+        ({"media": {"num_frames": 8.5}}, "'num_frames' must be an integer"),
         ({"media": {"max_pixels": 2**63}}, "'max_pixels' must be an integer from 1 to"),
         ({"temperature": NAN}, "'temperature' must be a finite number >= 0, got nan"),
         ({"temperature": -0.5}, "'temperature' must be a finite number >= 0"),
@@ -256,7 +256,7 @@ NAN, INF = float("nan"), float("inf")
             "'stream_options.include_usage' must be true or false",
         ),
         ({"ignore_eos": 0}, "'ignore_eos' must be true or false"),
-        ({"n": True}, "'n' must be an integer from 1 to 16"),
+        ({"n": "two"}, "'n' must be an integer from 1 to 16"),
         ({"model": ["epd"]}, "'model' must be a string"),
         ({"stop": "\ud800"}, "'stop' is not valid Unicode text"),
         ({"pruning": {"preset": 3}}, "pruning.preset must be a string"),
@@ -447,7 +447,7 @@ def test_vllm_sampling_options_are_read_with_vllm_meanings():
     ({"logit_bias": {"5": None}}, r"'logit_bias\[5\]' must be a finite number >= -100 and <= 100, got null"),
     ({"logit_bias": {str(i): 1 for i in range(1025)}}, "'logit_bias' has 1025 entries; at most 1024"),
     ({"stop_token_ids": 5}, "'stop_token_ids' must be a list of token ids"),
-    ({"stop_token_ids": [True]}, r"'stop_token_ids\[\]' must be an integer from 0"),
+    ({"stop_token_ids": ["7a"]}, r"'stop_token_ids\[\]' must be an integer from 0"),
     ({"stop_token_ids": list(range(257))}, "'stop_token_ids' has 257 entries; at most 256"),
     ({"include_stop_str_in_output": 1}, "'include_stop_str_in_output' must be true or false"),
     ({"allowed_token_ids": []}, r"'allowed_token_ids' is empty, which allows no token; leave it out \(or null\)"),
@@ -491,6 +491,42 @@ def test_no_seed_is_left_for_the_pipeline_to_draw():
     assert parse(body(temperature=1.0, seed=0)).generation.seed == 0
 
 
+# What pydantic 2's lax mode (vLLM's request models) makes of a JSON value for an `int` field.
+VLLM_INTS = ((2, 2), (2.0, 2), (-0.0, 0), (True, 1), (False, 0), ("2", 2), (" 2 ", 2), ("\t+2\n", 2),
+             ("2.00", 2), ("-0", 0), ("007", 7), ("1_000", 1000))  # fmt: skip
+NOT_VLLM_INTS = (2.5, float("inf"), float("nan"), "2.5", "2.", ".0", "1e3", "0x10", "1__0", "_1", "2 0", "",
+                 "\u0662", [2], {"n": 2})  # fmt: skip
+
+
+@pytest.mark.parametrize(("value", "number"), VLLM_INTS)
+def test_integer_fields_take_what_vllms_int_takes(value, number):
+    """Every integer field reads its value as vLLM's pydantic `int` does (lax: 2.0, "2", true):
+    chat's, a Responses body's through it, completions' and the token id lists alike."""
+    positive = value if number >= 1 else None  # max_tokens, num_frames: from 1
+    req = parse(
+        body(
+            top_k=value, seed=value, min_tokens=value, priority=value, stop_token_ids=[value],
+            allowed_token_ids=[value], logprobs=True, top_logprobs=value, max_tokens=positive,
+            n=value if 1 <= number <= 16 else None, media={"num_frames": positive},
+        )
+    )  # fmt: skip
+    g = req.generation
+    assert (g.top_k, g.seed, g.min_tokens, g.priority, g.logprobs) == (number,) * 5
+    assert (g.stop_token_ids, g.allowed_token_ids) == ((number,), (number,))
+    if number >= 1:
+        assert (g.max_new_tokens, req.sampling.num_frames) == (number, number)
+    assert g.n == (number if 1 <= number <= 16 else 1)
+
+
+@pytest.mark.parametrize("value", NOT_VLLM_INTS)
+def test_integer_fields_refuse_what_vllms_int_refuses(value):
+    for field in ("max_tokens", "top_k", "seed", "n", "priority"):
+        with pytest.raises(InvalidRequest, match=f"'{field}' must be an integer"):
+            parse(body(**{field: value}))
+    with pytest.raises(InvalidRequest, match=r"'stop_token_ids\[\]' must be an integer"):
+        parse(body(stop_token_ids=[value]))
+
+
 def test_priority_is_read_as_vllms_integer_and_refused_outside_the_wires_range():
     """vLLM's `priority` (chat and completions share `answer_options`): an integer, negative too;
     whether the server takes a non-zero one is the pipeline's check (prefill's --scheduling-policy)."""
@@ -498,6 +534,6 @@ def test_priority_is_read_as_vllms_integer_and_refused_outside_the_wires_range()
     assert parse(body(priority=7)).generation.priority == 7
     assert parse(body()).generation.priority == 0
     for bad, match in ((2**31, "'priority' must be an integer from"), (1.5, "'priority' must be an integer"),
-                       (True, "'priority'"), ("1", "'priority'")):  # fmt: skip
+                       ([1], "'priority'"), ("1.5", "'priority'")):  # fmt: skip
         with pytest.raises(InvalidRequest, match=match):
             parse(body(priority=bad))

@@ -163,7 +163,7 @@ def test_a_named_function_and_text_format_are_chats():
             '"code_interpreter_call.outputs", .*"reasoning.encrypted_content"',
         ),
         ({"input": "hi", "include": "message.output_text.logprobs"}, "'include' must be a list of strings"),
-        ({"input": "hi", "top_logprobs": "2"}, "'top_logprobs' must be an integer"),
+        ({"input": "hi", "top_logprobs": "2.5"}, "'top_logprobs' must be an integer"),
         ({"input": [{"role": "robot", "content": "x"}]}, "message roles must be"),
         ({"input": "hi", "best_of": 2}, "'best_of' is not supported"),
         ({"input": "hi", "mm_processor_kwargs": {"fps": 1}}, 'frame sampling goes in "media"'),
@@ -471,6 +471,34 @@ def test_a_step_that_ends_the_block_gives_its_content_tokens_logprobs_to_the_mes
     assert [(d["delta"], [lp["token"] for lp in d["logprobs"]]) for d in deltas] == [("Sure", ["Su", "re"])]
 
 
+def test_a_stop_strings_tokens_keep_their_logprobs_on_the_message():
+    """stop "END": decode holds " E" back (it may begin the stop string), then "ND" completes it and
+    the held text is cut. Neither token made text the message got, yet vLLM's whole message (every
+    output token's, `_create_response_logprobs` of the whole token_ids) and chat (vLLM's and epd's)
+    keep their logprobs: so do the message's output_text, its done event and, on a last delta of
+    no text, the stream."""
+    request = parse(input="hi", include=["message.output_text.logprobs"], stop="END", stream=True)
+    steps = [_step(1, "Hi"), _tokens_step([" E"], ""), _tokens_step(["ND"], "")]
+    want = chat_logprobs([lp for s in steps for lp in s.logprobs or ()])["content"]
+    body = response_body(summary("Hi"), request, None, steps)
+    assert body["output"][0]["content"][0]["logprobs"] == want
+    assert body["output"][0]["content"][0]["text"] == "Hi"
+
+    shaper = ResponseEvents(request, "r1", thinking=None)
+    events = [e for s in steps for e in shaper.add(s.text, s.token_ids, s.logprobs)]
+    events += shaper.finish(summary("Hi"))
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [(d["delta"], len(d["logprobs"])) for d in deltas] == [("Hi", 1), ("", 2)]
+    (done,) = [e for e in events if e["type"] == "response.output_text.done"]
+    assert done["logprobs"] == [lp for d in deltas for lp in d["logprobs"]]
+    assert done["text"] == "Hi"
+    assert events[-1]["response"]["output"][0]["content"][0]["logprobs"] == want
+
+    # An answer whose every token the stop string cut has no message, vLLM's neither: nothing to carry them.
+    body = response_body(summary(""), request, None, steps[1:])
+    assert body["output"] == []
+
+
 def test_held_back_text_takes_its_tokens_logprobs_to_the_delta_that_releases_it():
     """Under "auto" tools, "<" may begin a call: held back, its token's logprob waits and goes
     with the delta that sends it once it is content; a call's tokens have none."""
@@ -520,6 +548,21 @@ def test_without_include_no_logprobs_are_asked_or_sent():
     request = parse(input="hi", top_logprobs=2)
     body = whole(summary("hello"), request, None)
     assert body["top_logprobs"] is None and "logprobs" not in body["output"][0]["content"][0]
+
+
+def test_top_logprobs_is_read_as_vllms_int_with_or_without_the_include():
+    """vLLM's request types top_logprobs `int`, which pydantic's lax mode reads from 2.0, "2" and
+    true (1) too: taken here as there, ignored without the include; 2.5 or "two" is a 400 either way."""
+    for top, k in ((2.0, 2), ("2", 2), (" 3 ", 3), (True, 1), ("1_0", 10)):
+        assert parse(input="hi", top_logprobs=top).generation.logprobs is None
+        assert (
+            parse(input="hi", top_logprobs=top, include=["message.output_text.logprobs"]).generation.logprobs
+            == k
+        )
+    for bad in (2.5, "2.5", "two", [2], {"k": 2}):
+        for include in ([], ["message.output_text.logprobs"]):
+            with pytest.raises(InvalidRequest, match="'top_logprobs' must be an integer"):
+                parse(input="hi", top_logprobs=bad, include=include)
 
 
 GONE = {"error": {"message": "gone", "type": "server_error", "param": None, "code": 502}}

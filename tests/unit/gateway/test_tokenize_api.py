@@ -113,7 +113,7 @@ def test_detokenize_takes_a_bounded_list_of_token_ids():
     assert parse_detokenize_request({"tokens": [0, 5, 7]}, "epd") == [0, 5, 7]
     for tokens, message in (
         ("1 2", "'tokens' must be a list of token ids"),
-        ([1, True], "tokens\\[\\]"),
+        ([1, 1.5], "tokens\\[\\]"),
         ([-1], "tokens\\[\\]"),
         ([0] * (MAX_DETOKENIZE_TOKENS + 1), "at most"),
     ):
