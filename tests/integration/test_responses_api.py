@@ -34,6 +34,24 @@ def video_url(media_files):
     return "data:video/mp4;base64," + base64.b64encode(media_files["mp4"].read_bytes()).decode()
 
 
+def _same_logprobs(got: list[dict], want: list[dict]) -> bool:
+    """The same tokens, top tokens and bytes, with logprobs equal to 1e-4: the second request's
+    prompt may come from the prefix cache the first one filled, its prefill then runs over the
+    suffix alone, and float32 sums in another order differ in the last digits (seen: 1e-6)."""
+
+    def parts(lps: list[dict]) -> tuple[list, list[float]]:
+        shapes, values = [], []
+        for lp in lps:
+            shapes.append(
+                {**lp, "logprob": None, "top_logprobs": [{**t, "logprob": None} for t in lp["top_logprobs"]]}
+            )
+            values += [lp["logprob"], *(t["logprob"] for t in lp["top_logprobs"])]
+        return shapes, values
+
+    (got_shapes, got_values), (want_shapes, want_values) = parts(got), parts(want)
+    return got_shapes == want_shapes and got_values == pytest.approx(want_values, abs=1e-4)
+
+
 def _parts(video_url: str) -> list[dict]:
     return [{"type": "text", "text": QUESTION}, {"type": "video_url", "video_url": {"url": video_url}}]
 
@@ -116,7 +134,7 @@ def test_logprobs_are_chats_on_the_text_and_its_deltas(client, video_url):
     response = client.responses.create(**ask)
     assert response.model_extra["epd"]["token_ids"] == chat.choices[0].model_extra["token_ids"]
     (text,) = response.output[0].content
-    assert [lp.model_dump() for lp in text.logprobs] == want and response.top_logprobs == 2
+    assert _same_logprobs([lp.model_dump() for lp in text.logprobs], want) and response.top_logprobs == 2
 
     events = list(client.responses.create(**ask, stream=True))
     deltas = [lp.model_dump() for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
@@ -125,7 +143,7 @@ def test_logprobs_are_chats_on_the_text_and_its_deltas(client, video_url):
         top = [{"token": t["token"], "logprob": t["logprob"]} for t in lp["top_logprobs"]]
         return {"token": lp["token"], "logprob": lp["logprob"], "top_logprobs": top}
 
-    assert deltas == [without_bytes(lp) for lp in want]
+    assert _same_logprobs(deltas, [without_bytes(lp) for lp in want])
     (done,) = [e for e in events if e.type == "response.output_text.done"]
     assert [lp.model_dump() for lp in done.logprobs] == deltas
 
