@@ -1,6 +1,6 @@
 """The requests the SDK builds from a call's options, without a server (`epd.client.request`):
 the Ask header (options on the wire, zeros left to the server, values of the wrong type refused
-by their name) and the Tokenize request."""
+by their name), a conversation's options, and the Tokenize and Detokenize requests."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ import json
 
 import pytest
 
-from epd.client.request import build_header, tokenize_request
+from epd.client.request import (
+    build_header,
+    check_options,
+    conversation,
+    detokenize_request,
+    tokenize_request,
+)
+from epd.stages.messages import Message, text
 
 
 def test_header_carries_options_and_leaves_zeros_to_the_server():
@@ -191,3 +198,97 @@ def test_a_bad_tokenize_request_is_refused_before_any_call(args, error, match):
         tokenize_request(*args, None, None, None, False, "")
     with pytest.raises(TypeError, match="return_token_strs must be True or False"):
         tokenize_request("hi", None, None, None, None, 1, "")
+
+
+@pytest.mark.parametrize(
+    "options,error,match",
+    [
+        ({"request_id": 5}, TypeError, r"request_id must be a string, got 5"),
+        ({"pruning_knobs": "keep=0.5"}, TypeError, r"pruning_knobs must be a dict of knob names to values"),
+        ({"logit_bias": [17]}, TypeError, r"logit_bias must be a dict of token ids to biases, such as \{1734: -100\}"),
+        ({"logit_bias": {True: 1.0}}, TypeError, r"logit_bias keys must be token ids \(int, or a decimal string\)"),
+        ({"prompt": [1, True]}, TypeError, r"prompt must be a string or a list of token ids, got \[1, True\]"),
+        ({"max_new_tokens": 2**31}, ValueError, r"max_new_tokens must be an integer of at most 32 bits"),
+        ({"structured_outputs": {"regex": 5}}, ValueError, r"'structured_outputs\.regex' must be a string"),
+    ],
+)  # fmt: skip
+def test_more_options_of_the_wrong_type_are_refused_by_their_name(options, error, match):
+    """A bool is an int to Python and to protobuf: let through, True would go out as token id 1."""
+    with pytest.raises(error, match=match):
+        build_header(None, 0, "", {"prompt": "once", **options})
+
+
+def test_options_whose_field_has_presence_send_a_false():
+    """skip_special_tokens and spaces_between_special_tokens default to True on the server: a False
+    dropped as a proto3 zero would be unset, and answered with the special tokens skipped."""
+    g = build_header(
+        "q?", 0, "", {"skip_special_tokens": False, "spaces_between_special_tokens": False}
+    ).generation
+    assert g.HasField("skip_special_tokens") and not g.skip_special_tokens
+    assert g.HasField("spaces_between_special_tokens") and not g.spaces_between_special_tokens
+    unset = build_header("q?", 0, "", {}).generation
+    assert not unset.HasField("skip_special_tokens") and not unset.HasField("spaces_between_special_tokens")
+
+
+def test_an_empty_stop_string_is_sent_for_the_server_to_refuse():
+    """Dropped, the request ran without a stop the caller asked for; the server refuses it as the
+    HTTP API does (tests/integration/test_malformed_requests.py)."""
+    assert list(build_header("q?", 0, "", {"stop": ""}).generation.stop) == [""]
+    assert list(build_header("q?", 0, "", {"stop": ("a", "")}).generation.stop) == ["a", ""]
+
+
+def test_openais_response_format_becomes_the_structured_outputs():
+    """As the HTTP API reads it (`epd.gateway.structured_request`): the same spec on both doors."""
+    g = build_header("q?", 0, "", {"response_format": {"type": "json_object"}}).generation
+    assert g.structured_outputs.json_object and not g.structured_outputs.json_schema
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    g = build_header("q?", 0, "", {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "count", "schema": schema}},
+    }).generation  # fmt: skip
+    assert json.loads(g.structured_outputs.json_schema) == schema
+    assert not build_header("q?", 0, "", {}).generation.HasField("structured_outputs")
+
+
+def test_a_header_needs_a_question_messages_or_a_prompt():
+    with pytest.raises(
+        TypeError, match=r"pass a question or messages=\[\.\.\.\], not both \(and not neither\)"
+    ):
+        build_header(None, 0, "", {})
+
+
+def test_a_conversation_is_messages_or_chat_form_dicts_in_a_list():
+    """A string is a sequence too, and one Message is not a list: each is refused by name."""
+    chat = conversation([Message.system("be brief"), {"role": "user", "content": "hi"}])
+    assert chat == [Message.system("be brief"), Message.user(text("hi"))]
+    for messages in ("hi", Message.user("hi")):
+        with pytest.raises(TypeError, match="messages must be a list of Message objects or chat-form dicts"):
+            conversation(messages)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="messages must be a list of Message objects"):
+            build_header(None, 0, "", {}, messages)  # type: ignore[arg-type]
+
+
+def test_a_conversations_options_are_checked_when_it_is_made_timeout_s_among_them():
+    """An unknown option is refused when the conversation is made, not at its first turn; its
+    `timeout_s` is every turn's deadline, not a header option."""
+    check_options({"num_frames": 8, "max_new_tokens": 4, "timeout_s": 5.0})
+    with pytest.raises(TypeError, match=r"unknown options: \['timeout'\]"):
+        check_options({"timeout": 5.0})
+    with pytest.raises(TypeError, match="num_frames must be an integer"):
+        check_options({"num_frames": "8"})
+
+
+def test_a_detokenize_request_carries_its_ids_and_refuses_what_is_not_ids():
+    request = detokenize_request((5, 0, 17), "r1")
+    assert (list(request.token_ids), request.request_id) == ([5, 0, 17], "r1")
+    for token_ids in ("abc", b"abc", [1, True], [1.0]):
+        with pytest.raises(TypeError, match="token_ids must be a list of token ids \\(integers\\)"):
+            detokenize_request(token_ids, "")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="request_id must be a string, got 7"):
+        detokenize_request([1], 7)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="token_ids must be a list of integers of at most 32 bits"):
+        detokenize_request([2**31], "")
+
+
+def test_a_tokenize_request_refuses_a_request_id_that_is_not_a_string():
+    with pytest.raises(TypeError, match="request_id must be a string, got 7"):
+        tokenize_request("hi", None, None, None, None, False, 7)  # type: ignore[arg-type]
