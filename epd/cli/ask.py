@@ -174,7 +174,7 @@ def _check_generation(args: argparse.Namespace, embedded: bool) -> None:
     checks (both modes send the flags as its options), and in embedded mode the logprobs bound of
     the servers it runs in this process (a remote server holds requests to its own --max-logprobs)."""
     from epd.cli import configs
-    from epd.client.client import check_generation_options
+    from epd.client.request import check_generation_options
     from epd.model_runtime.sampling import check_logprobs
     from epd.prefill_svc.config import PrefillConfig
 

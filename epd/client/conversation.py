@@ -41,7 +41,8 @@ from epd.client.types import AskResult, EpdError, StreamEvent
 from epd.stages.messages import VIDEO, Message
 
 if TYPE_CHECKING:
-    from epd.client.client import AsyncEpdClient, EpdClient
+    from epd.client.client import AsyncEpdClient
+    from epd.client.sync_client import EpdClient
 
 __all__ = ["AsyncConversation", "Conversation", "History"]
 

@@ -362,7 +362,7 @@ def test_epd_ask_reads_vllm_sampling_flags_for_both_modes(capsys):
 def test_epd_ask_reads_structured_output_flags_for_both_modes(capsys, tmp_path):
     """--json-schema FILE, --json-object, --regex, --choice, --grammar FILE: one StructuredOutputs,
     the same on the SDK's wire; two at once, or a file that is not a schema, is a usage error."""
-    from epd.client.client import build_header
+    from epd.client.request import build_header
     from epd.model_runtime.sampling import StructuredOutputs
 
     schema = tmp_path / "schema.json"

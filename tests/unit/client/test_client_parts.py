@@ -1,13 +1,13 @@
 """The SDK's bookkeeping without a server: retry decisions and backoff, media sources (path,
-bytes, seekable and one-shot file objects) and request headers; the gRPC API-key check; the
-blocking client's thread and loop when it fails to start or is used after close()."""
+bytes, seekable and one-shot file objects); the gRPC API-key check; the blocking client's thread
+and loop when it fails to start or is used after close(). The requests built from a call's
+options: test_request.py."""
 
 from __future__ import annotations
 
 import gc
 import hashlib
 import io
-import json
 import threading
 import time
 import warnings
@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from epd.client import NO_RETRY, AsyncEpdClient, EpdClient, EpdError, MediaSource, RetryPolicy, build_header
+from epd.client import NO_RETRY, AsyncEpdClient, EpdClient, EpdError, MediaSource, RetryPolicy
 from epd.client.channel import ChannelSettings, channel_credentials, open_channel
-from epd.client.client import _call_error, tokenize_request
+from epd.client.client import _call_error
 from epd.transport.auth import bearer_token, key_matches
 
 
@@ -98,188 +98,6 @@ def test_media_source_errors_name_the_problem(tmp_path):
         MediaSource(tmp_path)  # was "no such video file", of a directory that is there
     with pytest.raises(TypeError, match="must be a path, bytes or a binary file object, not int"):
         MediaSource(3)  # type: ignore[arg-type]
-
-
-def test_header_carries_options_and_leaves_zeros_to_the_server():
-    h = build_header(
-        "q?",
-        12,
-        "ab" * 32,
-        {
-            "num_frames": 8,
-            "max_new_tokens": 16,
-            "temperature": 0.0,
-            "stop": "END",
-            "pruning": "light",
-            "pruning_knobs": {"keep": 0.5},
-        },
-    )
-    assert (h.question, h.media_num_bytes, h.media_sha256) == ("q?", 12, "ab" * 32)
-    assert h.sampling.num_frames == 8 and h.sampling.fps == 0.0
-    assert h.generation.max_new_tokens == 16 and list(h.generation.stop) == ["END"]
-    assert h.pruning.preset == "light" and dict(h.pruning.knobs) == {"keep": "0.5"}
-    with pytest.raises(TypeError, match=r"unknown options: \['frames'\]"):
-        build_header("q?", 0, "", {"frames": 3})
-    assert not h.generation.HasField("seed")  # unset: the gateway draws one for a sampled request
-
-
-def test_a_zero_seed_is_sent_and_zeros_that_mean_something_else_are_refused():
-    """seed=0 went out as unset; top_p=0 and max_new_tokens=0 silently became the server's
-    defaults (all tokens; 32 tokens)."""
-    h = build_header("q?", 0, "", {"seed": 0, "temperature": 1.0})
-    assert h.generation.HasField("seed") and h.generation.seed == 0
-    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
-        build_header("q?", 0, "", {"top_p": 0})
-    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
-        build_header("q?", 0, "", {"max_new_tokens": 0})
-    with pytest.raises(ValueError, match=r"repetition_penalty must be > 0 \(None: 1, off\)"):
-        build_header("q?", 0, "", {"repetition_penalty": 0})
-
-
-@pytest.mark.parametrize(
-    "options,match",
-    [
-        ({"temperature": -1.0}, r"temperature must be a finite number >= 0 \(0: greedy\), got -1.0"),
-        ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
-        ({"logprobs": -1}, "logprobs must be >= 0, the number of most likely tokens"),
-        ({"prompt_logprobs": -2}, "prompt_logprobs must be >= 0, the number of most likely tokens"),
-    ],
-)
-def test_a_negative_temperature_or_logprobs_is_refused_before_any_call(options, match):
-    """They went out, for the server to refuse (or, a NaN temperature, for the wire to carry):
-    the SDK says what to change before any call, as for top_p. Zero and above are sent."""
-    with pytest.raises(ValueError, match=match):
-        build_header("q?", 0, "", options)
-    h = build_header("q?", 0, "", {"temperature": 0.5, "logprobs": 0, "prompt_logprobs": 3})
-    assert (h.generation.temperature, h.generation.logprobs, h.generation.prompt_logprobs) == (0.5, 0, 3)
-    assert h.generation.HasField("logprobs")
-
-
-def test_header_carries_vllm_sampling_options():
-    h = build_header("q?", 0, "", {
-        "repetition_penalty": 1.3, "presence_penalty": -0.5, "frequency_penalty": 0.5, "min_p": 0.05,
-        "min_tokens": 3, "logit_bias": {17: 100.0}, "stop_token_ids": [5, 9], "include_stop_str_in_output": True,
-    })  # fmt: skip
-    g = h.generation
-    assert (g.repetition_penalty, g.presence_penalty, g.frequency_penalty, g.min_p, g.min_tokens) == (
-        1.3,
-        -0.5,
-        0.5,
-        0.05,
-        3,
-    )
-    assert (
-        dict(g.logit_bias) == {17: 100.0}
-        and list(g.stop_token_ids) == [5, 9]
-        and g.include_stop_str_in_output
-    )
-    h = build_header("q?", 0, "", {"allowed_token_ids": (4, 17), "bad_words": ["red", " big cat"]})
-    assert list(h.generation.allowed_token_ids) == [4, 17] and list(h.generation.bad_words) == [
-        "red",
-        " big cat",
-    ]
-
-
-@pytest.mark.parametrize(
-    "options,error,match",
-    [
-        ({"num_frames": 2.5}, TypeError, r"num_frames must be an integer, got 2.5"),
-        ({"max_new_tokens": "4"}, TypeError, r"max_new_tokens must be an integer, got '4'"),
-        ({"ignore_eos": "no"}, TypeError, r"ignore_eos must be True or False, got 'no'"),
-        ({"stop": 5}, TypeError, r"stop must be a string or a list of strings, got 5"),
-        ({"stop": ["a", 5]}, TypeError, r"stop must be a string or a list of strings"),
-        ({"stop_token_ids": [1.5]}, TypeError, r"stop_token_ids must be a list of integers"),
-        ({"logit_bias": {"x": 1}}, TypeError, r"logit_bias keys must be token ids"),
-        ({"logit_bias": {5: "up"}}, TypeError, r"logit_bias must be a dict of integers to numbers"),
-        ({"seed": 2**70}, ValueError, r"seed must be an integer of at most 64 bits"),
-        ({"allowed_token_ids": [1.5]}, TypeError, r"allowed_token_ids must be a list of integers"),
-        # the wire cannot tell an empty list from unset (every token): refused, as the HTTP API's 400
-        ({"allowed_token_ids": []}, ValueError, r"allowed_token_ids is empty, which allows no token"),
-        # protobuf would have sent each character as a word
-        (
-            {"bad_words": "red"},
-            TypeError,
-            r"bad_words must be a list of strings, such as \['red'\], got 'red'",
-        ),
-        ({"bad_words": ["red", 5]}, TypeError, r"bad_words must be a list of strings"),
-        (
-            {"stop": ["\ud800"]},
-            ValueError,
-            r"stop must be a list of strings of valid Unicode \(no lone surrogates\)",
-        ),
-        ({"pruning": {"preset": "light"}}, TypeError, r'pruning must be a preset name such as "balanced"'),
-        ({"cache_salt": 7}, TypeError, r"cache_salt must be a string, got 7"),
-    ],
-)
-def test_an_option_of_the_wrong_type_is_refused_by_its_name(options, error, match):
-    """protobuf's own errors ("bad argument type for built-in operation", "'str' object cannot be
-    interpreted as an integer") named neither the option nor what it takes."""
-    with pytest.raises(error, match=match):
-        build_header("q?", 0, "", options)
-
-
-def test_logit_bias_takes_the_openai_bodys_string_ids_too():
-    h = build_header("q?", 0, "", {"logit_bias": {"17": -100, 5: 2.5}})
-    assert dict(h.generation.logit_bias) == {17: -100.0, 5: 2.5}
-
-
-def test_an_empty_conversation_is_refused_before_any_call():
-    """It reached the gateway as the 0.1 question form with no question: "the question is empty"."""
-    with pytest.raises(ValueError, match="messages is empty"):
-        build_header(None, 0, "", {}, messages=[])
-
-
-def test_a_tokenize_request_carries_its_options_and_leaves_defaults_unset():
-    """Unset add_special_tokens and template go as unset, for the server's vLLM defaults."""
-    plain = tokenize_request("hi", None, None, None, None, False, "")
-    assert (plain.prompt, plain.HasField("add_special_tokens"), plain.HasField("template")) == (
-        "hi",
-        False,
-        False,
-    )
-    chat = tokenize_request(None, [{"role": "user", "content": "hi"}], True, False, True, True, "r1")
-    assert not chat.HasField("prompt") and [m.role for m in chat.messages] == ["user"]
-    assert (chat.add_special_tokens, chat.return_token_strs, chat.request_id) == (True, True, "r1")
-    assert chat.template.HasField("add_generation_prompt") and not chat.template.add_generation_prompt
-    assert chat.template.continue_final_message
-    thinking = tokenize_request(
-        None, [{"role": "user", "content": "hi"}], None, None, None, False, "", {"enable_thinking": False}
-    )
-    assert json.loads(thinking.template.chat_template_kwargs_json) == {"enable_thinking": False}
-    assert not thinking.template.HasField("chat_template")
-
-
-def test_the_sdk_sends_a_request_template_as_it_is():
-    """vLLM's request `chat_template` (the server decides whether it trusts it); not a str: TypeError."""
-    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
-    header = build_header("what moves?", 0, "", {"chat_template": template})
-    assert header.template.chat_template == template and not header.template.HasField("add_generation_prompt")
-    counted = tokenize_request(
-        None, [{"role": "user", "content": "hi"}], None, None, None, False, "", None, template
-    )
-    assert counted.template.chat_template == template
-    with pytest.raises(TypeError, match="chat_template must be a Jinja template's text"):
-        build_header("what moves?", 0, "", {"chat_template": {"default": template}})
-
-
-@pytest.mark.parametrize(
-    ("args", "error", "match"),
-    [
-        (
-            ("hi", [{"role": "user", "content": "hi"}]),
-            TypeError,
-            "pass a prompt .* or messages=.*one of them",
-        ),
-        ((None, None), TypeError, "one of them"),
-        ((["hi"], None), TypeError, "prompt must be a string"),
-        ((None, []), ValueError, "messages is empty"),
-    ],
-)
-def test_a_bad_tokenize_request_is_refused_before_any_call(args, error, match):
-    with pytest.raises(error, match=match):
-        tokenize_request(*args, None, None, None, False, "")
-    with pytest.raises(TypeError, match="return_token_strs must be True or False"):
-        tokenize_request("hi", None, None, None, None, 1, "")
 
 
 def test_a_header_over_the_message_limit_is_refused_before_any_call():
@@ -436,16 +254,16 @@ def test_a_client_collected_on_its_own_loops_thread_still_closes(health_server, 
     client, found by a collection its loop's work set off): there the finalizer cannot wait for
     the loop to close the client, as it does from any other thread (it would wait for itself, and
     the thread, channel and connection would stay); it leaves the loop to close it and stop."""
-    from epd.client import client as client_module
+    from epd.client import sync_client
 
     port, client_sockets = health_server
     threads_before, sockets_before = _client_threads(), client_sockets()
     client = connected_client(port)
     loop, client_thread = client._parts.loop, client._parts.thread
     closed_on: list[threading.Thread] = []
-    real_close = client_module._close
+    real_close = sync_client._close
     monkeypatch.setattr(
-        client_module,
+        sync_client,
         "_close",
         lambda parts: (closed_on.append(threading.current_thread()), real_close(parts)),
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from epd.client.client import build_header
+from epd.client.request import build_header
 from epd.encoder_svc.token_cache import make_cache_key
 from epd.gateway.openai_protocol import parse_chat_request
 from epd.model_runtime.sampling import GenerationConfig
