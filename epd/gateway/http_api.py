@@ -126,6 +126,7 @@ from epd.gateway.web.routes import BODY_ROUTES, add_demo_routes
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MediaInput, TokenStep
 from epd.stages.errors import InvalidRequest, ServerMisconfigured
+from epd.stages.raw_prompt import check_raw_prompt
 from epd.transport import tracing
 from epd.transport.auth import any_key_matches, bearer_token, request_cache_salt
 from epd.transport.internal_secrets import internal_secrets
@@ -488,7 +489,9 @@ class HttpApi:
                 chat.generation = constrained_after_reasoning(chat.generation)
         elif chat.echo and chat.raw_prompt.token_ids:
             # vLLM's renderer decodes a token-id prompt that is to be echoed; the gateway holds no
-            # tokenizer, prefill does (a Detokenize call, made only for echo).
+            # tokenizer, prefill does (a Detokenize call, made only for echo). Ids outside the
+            # vocabulary are refused first as the prompt's, not as Detokenize's 'tokens'.
+            check_raw_prompt(chat.raw_prompt, vocab_size=self.pipeline.vocab_size)
             chat.prompt_ids_text = await self.pipeline.detokenize(
                 chat.raw_prompt.token_ids, tracing.current_request_id()
             )
