@@ -387,6 +387,7 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     "encoder[1]", ...; the model services' are run forked, without their first `_COMMAND_PREFIX`
     words)."""
     from epd.cli.flags.media import add_sampling_flags
+    from epd.cli.flags.model import COMPILING_ROLES
     from epd.decode_svc.config import TTFT_FIRST_DECODE_NICE
 
     log_format = [] if args.log_format == "text" else ["--log-format", args.log_format]  # text: the default
@@ -402,11 +403,11 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
         *threads,
         "--linear-kernel",
         args.linear_kernel,
-        "--structured-compile-timeout-s",
-        str(args.structured_compile_timeout_s),
     ]
     grace = ["--grace-period", str(args.grace_period), "--close-timeout-s", str(args.close_timeout_s)]
     own = {role: stage_flags(args, role) for role in MODEL_ROLES}
+    for role in COMPILING_ROLES:  # the encoder compiles no structured output
+        own[role] += ["--structured-compile-timeout-s", str(args.structured_compile_timeout_s)]
     if args.schedule == "ttft-first":
         own["decode"] += ["--nice", str(TTFT_FIRST_DECODE_NICE)]
     ports = replica_ports(args)

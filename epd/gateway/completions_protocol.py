@@ -6,7 +6,8 @@ tokenises text by default (`tokenizer(prompt)`, its special tokens added), with 
 request: `"prompt": "text"`, `["text"]`, `[1, 2, 3]` or `[[1, 2, 3]]`; a batch of several is
 refused (400), as epd answers one prompt per call. The generation options, streaming,
 `stream_options` and the server-side defaults are chat completions' (`epd.gateway.openai_protocol`);
-`echo` (a text prompt's; with `max_tokens` 0 the prompt alone, vLLM's echo without generation), `logprobs` (`epd.gateway.logprobs_protocol`; with `echo`, the prompt's
+`echo` (a token-id prompt's text is prefill's Detokenize of its ids, as vLLM's renderer decodes
+them; with `max_tokens` 0 the prompt alone, vLLM's echo without generation), `logprobs` (`epd.gateway.logprobs_protocol`; with `echo`, the prompt's
 tokens' logprobs come first, as vLLM's; streamed, in the echoed prompt's chunk, before the answer's
 tokens stream with theirs) and vLLM's `prompt_logprobs` are taken,
 `suffix` is refused. The answer is a
@@ -93,11 +94,6 @@ def parse_completion_request(
     if echo_only:
         body = {**body, "max_tokens": 1}
     logprobs = completion_logprobs_option(body)
-    if echo and prompt.token_ids:
-        raise InvalidRequest(
-            "'echo' needs a text prompt (this server does not detokenise a prompt of token "
-            "ids); send the prompt as text, or leave 'echo' unset"
-        )
     options = answer_options(body, model, generation_defaults, logprobs)
     generation: GenerationConfig = options["generation"]
     if echo and logprobs is not None:

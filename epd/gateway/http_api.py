@@ -126,6 +126,7 @@ from epd.gateway.web.routes import BODY_ROUTES, add_demo_routes
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MediaInput, TokenStep
 from epd.stages.errors import InvalidRequest, ServerMisconfigured
+from epd.stages.raw_prompt import check_raw_prompt
 from epd.transport import tracing
 from epd.transport.auth import any_key_matches, bearer_token, request_cache_salt
 from epd.transport.internal_secrets import internal_secrets
@@ -467,7 +468,8 @@ class HttpApi:
 
     async def _read_request(self, request: web.Request, parse: ParseRequest) -> ChatRequest:
         """The request's body, read under its limits and parsed by the route's `parse`; a chat
-        request checked against the server's reasoning and tool parsers, which it takes on."""
+        request checked against the server's reasoning and tool parsers, which it takes on; a
+        token-id prompt to echo given its text."""
         body = await read_json_body(request, self.max_body_bytes, self.config.body_timeout_s)
         if isinstance(body, dict) and isinstance(body.get("request_id"), str):
             # Before the body is checked: a 400 for one of its fields names the client's id.
@@ -485,6 +487,14 @@ class HttpApi:
                 chat.tool_choice = replace(chat.tool_choice, parser=self.config.http.tool_call_parser)
             if self.config.http.reasoning_parser:
                 chat.generation = constrained_after_reasoning(chat.generation)
+        elif chat.echo and chat.raw_prompt.token_ids:
+            # vLLM's renderer decodes a token-id prompt that is to be echoed; the gateway holds no
+            # tokenizer, prefill does (a Detokenize call, made only for echo). Ids outside the
+            # vocabulary are refused first as the prompt's, not as Detokenize's 'tokens'.
+            check_raw_prompt(chat.raw_prompt, vocab_size=self.pipeline.vocab_size)
+            chat.prompt_ids_text = await self.pipeline.detokenize(
+                chat.raw_prompt.token_ids, tracing.current_request_id()
+            )
         return chat
 
     async def _load_media(self, request: web.Request, chat: ChatRequest) -> MediaInput | None:

@@ -268,9 +268,13 @@ class ChatRequest:
     """A legacy completions request's prompt (`epd.gateway.completions_protocol`), run without
     the chat template; `messages` is empty then, and the answer is a `text_completion`."""
     echo: bool = False
-    """`echo`, vLLM's meanings: a legacy completion's text begins with its (text) prompt; a chat
+    """`echo`, vLLM's meanings: a legacy completion's text begins with its prompt's text; a chat
     answer's content begins with the last message's, when that message's role is the answer's
     (`echoed_text`)."""
+    prompt_ids_text: str = ""
+    """The text of a legacy completion's token-id prompt, set by the front door (prefill's
+    Detokenize, special tokens kept, as vLLM's renderer decodes such a prompt) only when `echo`
+    needs it: the gateway holds no tokenizer."""
     echo_only: bool = False
     """A legacy completion's `echo` with `max_tokens` 0, vLLM's echo without generation: the answer
     is the prompt alone, with its logprobs when asked (how lm-evaluation-harness scores a text's
@@ -301,17 +305,17 @@ class ChatRequest:
 
     @property
     def echoed_text(self) -> str:
-        """What `echo` puts in front of the generated text ("" without it): a raw prompt's text,
-        or, as vLLM's chat echo, the last message's text when its role is the answer's (the
-        assistant's message continued with `continue_final_message`, an assistant's message
-        followed by a new answer, or without a generation prompt the message the model writes
-        on in). Its text parts are joined with "\n" as vLLM joins them (a template may render
+        """What `echo` puts in front of the generated text ("" without it): a raw prompt's text
+        (`prompt_ids_text` for token ids), or, as vLLM's chat echo, the last message's text when
+        its role is the answer's (the assistant's message continued with `continue_final_message`,
+        an assistant's message followed by a new answer, or without a generation prompt the
+        message the model writes on in). Its text parts are joined with "\n" as vLLM joins them (a template may render
         them otherwise: Qwen's concatenates them); a media part in it is refused at parsing
         (`_check_echo`). Not the answer's tokens: usage counts the generated ones alone."""
         if not self.echo:
             return ""
         if self.raw_prompt is not None:
-            return self.raw_prompt.text
+            return self.raw_prompt.text or self.prompt_ids_text
         if not self.messages or self.messages[-1].role != self.response_role:
             return ""
         return "\n".join(p.text for p in self.messages[-1].parts if p.type == "text")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
@@ -368,11 +367,14 @@ class Pipeline:
                 "pruning off or leave prompt_logprobs unset"
             )
         self._check_room_for_a_prompt(req.generation)
-        request_id = req.request_id or tracing.current_request_id() or uuid.uuid4().hex
         req = replace(req, generation=req.generation.with_drawn_seed())  # a sampled request without a seed
 
         async def run(emit: Emit) -> AskSummary:
-            return await self._run(req, request_id, emit)
+            # The request's id in its own task's context, as a front door sets it (the gateway's
+            # servicer, the HTTP API; there it is already so): the embedded pipeline's requests
+            # (`epd ask`) come through none, and their stages' log lines carried no request_id=.
+            # Set here, not in the caller's context: its next request gets an id of its own.
+            return await self._run(req, tracing.adopt_request_id(req.request_id), emit)
 
         async for item in with_events(run):
             yield item.value if isinstance(item, Finished) else item

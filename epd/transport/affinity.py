@@ -162,6 +162,7 @@ class ReplicaChooser:
         self._reported: dict[str, int] = {}  # running + waiting, from the replica's GetLoad
         self._in_flight: dict[str, int] = {}  # calls this gateway has open to the replica
         self._turn = 0
+        self._ever_served = False  # a replica has said SERVING or answered a call (`ready_once`)
 
     def set_replicas(self, replicas: Sequence[str]) -> tuple[list[str], list[str]]:
         """Replace the replica list (a reloaded replica file); returns (added, removed). What is
@@ -184,12 +185,24 @@ class ReplicaChooser:
         if replica not in self.replicas:
             return
         if serving:
+            self._ever_served = True
             self._down.discard(replica)
             held = self._failed_until.get(replica)
             if held is not None and not held[1]:
                 del self._failed_until[replica]
         else:
             self._down.add(replica)
+
+    def mark_answered(self, replica: str) -> None:
+        """A call to `replica` was answered: the stage has served (`ready_once`)."""
+        if replica in self.replicas:
+            self._ever_served = True
+
+    @property
+    def ready_once(self) -> bool:
+        """Whether a replica of the stage has ever served (a health check's SERVING, an answered
+        call): until then a failed call means the stage is not ready yet, not that it was lost."""
+        return self._ever_served
 
     def mark_failed(self, replica: str, hung: bool = False) -> None:
         """A call to `replica` failed with UNAVAILABLE (or, `hung`, did not answer in its attempt

@@ -128,10 +128,13 @@ def replica_lost(exc: grpc.aio.AioRpcError) -> bool:
     return code == grpc.StatusCode.UNAVAILABLE or lost_while_sending(code, exc.details() or "")
 
 
-def stage_error(exc: grpc.aio.AioRpcError, stage: str, request_id: str) -> UpstreamError:
+def stage_error(
+    exc: grpc.aio.AioRpcError, stage: str, request_id: str, logged: bool = False
+) -> UpstreamError:
     """The client-safe error for a stage's failed call: `stage` is "encode", "prefill" or
     "decode". Transport-level statuses get a fixed message naming the stage and the request
-    id (the detail goes to the server log under that id); our stage's own messages pass on."""
+    id (the detail goes to the server log under that id, unless the caller `logged` it already);
+    our stage's own messages pass on."""
     code = exc.code()
     what = _SANITISED.get(code)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and GRPC_MESSAGE_TOO_LARGE in (exc.details() or ""):
@@ -146,14 +149,15 @@ def stage_error(exc: grpc.aio.AioRpcError, stage: str, request_id: str) -> Upstr
         return UpstreamError(
             code, exc.details() or f"{stage} stage failed (request id {request_id})", retry_after_of(exc)
         )
-    log.warning(
-        "request %s: %s stage -> %s: %s | %s",
-        request_id,
-        stage,
-        code.name,
-        exc.details(),
-        exc.debug_error_string(),
-    )
+    if not logged:
+        log.warning(
+            "request %s: %s stage -> %s: %s | %s",
+            request_id,
+            stage,
+            code.name,
+            exc.details(),
+            exc.debug_error_string(),
+        )
     return UpstreamError(code, f"{stage} stage {what} (request id {request_id})")
 
 

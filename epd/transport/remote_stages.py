@@ -287,7 +287,9 @@ class ReplicaPool:
             started = loop.time()
             self.begin(address)
             try:
-                return await attempt(channel, try_timeout_s)
+                answer = await attempt(channel, try_timeout_s)
+                self.chooser.mark_answered(address)
+                return answer
             except asyncio.CancelledError:
                 if not cancelled_by_grpc():
                     raise  # the request's task was cancelled (its client went away)
@@ -322,14 +324,25 @@ class ReplicaPool:
                 )
                 tries = self.still_listed(tries)  # the list may have changed during the try
                 if not tries or end_at - loop.time() <= 0:
-                    log.warning(
-                        "%s replica %s %s for request %s; no replica left to try",
-                        stage,
-                        address,
-                        what,
-                        request_id,
-                    )
-                    raise stage_error(exc, stage, request_id) from None
+                    # One line (stage_error logs none): before the stages are ready every
+                    # early request ends here, and two lines each buried the start-up's own.
+                    if self.chooser.ready_once:
+                        log.warning(
+                            "%s replica %s %s for request %s; no replica left to try",
+                            stage,
+                            address,
+                            what,
+                            request_id,
+                        )
+                    else:
+                        log.warning(
+                            "request %s: the %s stage is not ready (no replica has served yet): %s %s",
+                            request_id,
+                            stage,
+                            address,
+                            what,
+                        )
+                    raise stage_error(exc, stage, request_id, logged=True) from None
                 log.warning(
                     "%s replica %s %s for request %s; trying %s",
                     stage,

@@ -210,14 +210,23 @@ def test_echo_and_what_prefill_refuses(checkpoints):
     path = checkpoints["qwen2_vl"]
     with build_embedded_pipeline(ModelConfig(model=str(path))) as pipeline:
         body = {"prompt": PROMPT, "max_tokens": 4}
-        (_, plain), (_, echoed), (_, echoed_sse), (placeholder, refused), (too_big, vocab) = post_embedded(
+        answers = post_embedded(
             pipeline,
             ("/v1/completions", body),
             ("/v1/completions", {**body, "echo": True}),
             ("/v1/completions", {**body, "echo": True, "stream": True}),
             ("/v1/completions", {**body, "prompt": "look: <|video_pad|>"}),
             ("/v1/completions", {**body, "prompt": [1, 2, 10**6]}),
+            ("/v1/completions", {**body, "prompt": [1, 2, 10**6], "echo": True}),  # before its Detokenize
         )
+        (
+            (_, plain),
+            (_, echoed),
+            (_, echoed_sse),
+            (placeholder, refused),
+            (too_big, vocab),
+            (echo_too_big, echo_vocab),
+        ) = answers
         # Prefill's own rules, for a caller other than the gateway (its PrefillService).
         engine = pipeline.prefill.engine
         with pytest.raises(InvalidRequest, match="send a conversation .messages. or a raw prompt, not both"):
@@ -231,6 +240,11 @@ def test_echo_and_what_prefill_refuses(checkpoints):
         and "the prompt holds the model's visual placeholder token" in refused["error"]["message"]
     )
     assert too_big == 400 and "are not token ids of this model" in vocab["error"]["message"]
+    assert (
+        echo_too_big == 400
+        and "the prompt's token ids [1000000] are not token ids of this model"
+        in (echo_vocab["error"]["message"])
+    )
 
 
 def test_a_raw_prompt_keeps_prefix_cache_entries_of_its_own(checkpoints):

@@ -304,6 +304,38 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(shared_stack, tiny_model
     assert chunks[-1]["finish_reason"] == choice["finish_reason"]
 
 
+def test_a_token_id_prompt_is_echoed_as_its_text(shared_stack, tiny_models):
+    """`echo` with the prompt given as token ids (lm-evaluation-harness's tokenized requests; it
+    was a 400): the gateway has no tokenizer, so prefill's Detokenize gives the ids' text, as
+    vLLM's renderer decodes them. The answer, whole and streamed, with and without generation,
+    is the text prompt's: the same text, logprobs and text offsets."""
+    http = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{shared_stack.http_port}/v1", api_key="none", max_retries=0
+    )
+    raw_ids, _ = reference(tiny_models["qwen2_vl"], prompt=PROMPT)
+    for max_tokens in (3, 0):
+        body: dict = dict(model="epd", max_tokens=max_tokens, echo=True, logprobs=2)
+        by_text = http.completions.create(**body, prompt=PROMPT).model_dump()["choices"][0]
+        by_ids = http.completions.create(**body, prompt=raw_ids).model_dump()["choices"][0]
+        assert by_ids["text"] == by_text["text"] and by_ids["text"].startswith(PROMPT), max_tokens
+        assert by_ids["logprobs"]["tokens"] == by_text["logprobs"]["tokens"]
+        assert by_ids["logprobs"]["text_offset"] == by_text["logprobs"]["text_offset"]
+        for got, want in zip(
+            by_ids["logprobs"]["token_logprobs"], by_text["logprobs"]["token_logprobs"], strict=True
+        ):
+            assert (got is None and want is None) or close(got, want)
+        chunks = [
+            c.model_dump()["choices"][0]
+            for c in http.completions.create(**body, prompt=raw_ids, stream=True)
+            if c.choices
+        ]
+        assert chunks[0]["text"] == PROMPT and len(chunks[0]["logprobs"]["tokens"]) == len(raw_ids)
+        assert "".join(c["text"] for c in chunks) == by_ids["text"]
+        assert [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]] == (
+            by_ids["logprobs"]["text_offset"]
+        )
+
+
 def assert_json_prompt_logprobs(got: list, ids: list[int], logprobs: torch.Tensor, k: int) -> None:
     assert got is not None and len(got) == len(ids) and got[0] is None
     for p, entry in enumerate(got[1:]):

@@ -7,8 +7,15 @@ import argparse
 
 from epd.cli.flags.arg_types import env, num_threads, seconds
 
+COMPILING_ROLES = ("prefill", "decode")
+"""The stage roles that compile a request's structured output (JSON schema, regex, grammar)
+against the vocabulary: prefill for the first token, decode for the rest. The encoder never does,
+so it has no --structured-compile-timeout-s (nor does the stack pass it one)."""
 
-def add_model_flags(p: argparse.ArgumentParser) -> None:
+
+def add_model_flags(p: argparse.ArgumentParser, compiles: bool = True) -> None:
+    """The model's flags; `compiles`: the process compiles structured outputs (`COMPILING_ROLES`,
+    the stack, the colocated stages, `epd ask`'s embedded ones), and so takes their deadline."""
     g = p.add_argument_group("model")
     g.add_argument(
         "--model",
@@ -29,15 +36,16 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "2.1x faster products on the AMD bench CPU (not on Intel), results within float32 rounding "
         "(docs/benchmarks.md, 'oneDNN linear layers')",
     )
-    g.add_argument(
-        "--structured-compile-timeout-s",
-        type=seconds,
-        default=ModelConfig.structured_compile_timeout_s,
-        metavar="S",
-        help="how long a request's structured output (JSON schema, regex, grammar) may take to "
-        "compile against the model's vocabulary (default 30; 0: no bound); longer is refused with "
-        "400 / INVALID_ARGUMENT asking for a simpler one",
-    )
+    if compiles:
+        g.add_argument(
+            "--structured-compile-timeout-s",
+            type=seconds,
+            default=ModelConfig.structured_compile_timeout_s,
+            metavar="S",
+            help="how long a request's structured output (JSON schema, regex, grammar) may take to "
+            "compile against the model's vocabulary (default 30; 0: no bound); longer is refused "
+            "with 400 / INVALID_ARGUMENT asking for a simpler one",
+        )
     env_threads = env("EPD_NUM_THREADS", "")
     g.add_argument(
         "--num-threads",

@@ -7,7 +7,7 @@ from __future__ import annotations
 from epd.cli.flags.arg_types import addresses, count, env, kv_sources, port_number, positive_seconds, seconds
 from epd.cli.flags.gateway import GATEWAY_FLAGS, add_admission_flags, add_http_api_flags, add_routing_flags
 from epd.cli.flags.media import add_decode_limit_flags, add_max_upload_bytes_flag, add_sampling_flags
-from epd.cli.flags.model import add_allocator_flag, add_model_flags
+from epd.cli.flags.model import COMPILING_ROLES, add_allocator_flag, add_model_flags
 from epd.cli.flags.server import add_grace_flag, add_server_flags, add_stack_security_flags
 from epd.cli.flags.stages import SHARED_STAGE_FLAGS, STAGE_FLAGS
 
@@ -54,7 +54,7 @@ def _add_stage_roles(roles) -> None:
     for role, port in (("encoder", ENCODER_PORT), ("prefill", PREFILL_PORT), ("decode", DECODE_PORT)):
         r = roles.add_parser(role, help=f"run the {role} service")
         add_server_flags(r, port)
-        add_model_flags(r)
+        add_model_flags(r, compiles=role in COMPILING_ROLES)
         add_allocator_flag(r)
         for add_flags in (*STAGE_FLAGS[role], *SHARED_STAGE_FLAGS):
             add_flags(r)

@@ -210,9 +210,31 @@ def test_the_structured_compile_timeout_reaches_the_services_that_compile():
         role = name.split("[")[0]
         if role in makers:
             assert makers[role](_parsed(command)).model.structured_compile_timeout_s == 2.5, name
+        else:  # the encoder compiles none (nor does the gateway, which has no model flags)
+            assert "--structured-compile-timeout-s" not in command, name
     plain = build_parser().parse_args(["serve", "--colocate"])
     plain.model = "/m"
     assert configs.model_config(plain).structured_compile_timeout_s == 30.0
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["serve", "prefill"], ["serve", "decode"], ["serve"], ["serve", "--colocate"], ["ask", "v.mp4", "q?"]],
+)
+def test_the_structured_compile_timeout_is_a_flag_of_what_compiles(argv):
+    """Prefill, decode, the stack (which passes it to them), the colocated stages and `epd ask`'s
+    embedded ones compile structured outputs, and take their deadline."""
+    args = build_parser().parse_args([*argv, "--structured-compile-timeout-s", "5"])
+    args.model = "/m"
+    assert configs.model_config(args).structured_compile_timeout_s == 5.0
+
+
+def test_the_encoder_has_no_structured_compile_timeout(capsys):
+    """The encoder never compiles a grammar: the flag was taken and silently unused."""
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["serve", "encoder", "--structured-compile-timeout-s", "5"])
+    assert info.value.code == 2
+    assert "unrecognized arguments: --structured-compile-timeout-s 5" in capsys.readouterr().err
 
 
 def test_the_log_format_reaches_every_service():

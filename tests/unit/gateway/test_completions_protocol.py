@@ -41,6 +41,17 @@ def test_one_prompt_as_text_or_token_ids(prompt, expected):
     assert not request.stream and not request.echo
 
 
+def test_a_token_id_prompt_is_echoed_with_its_text():
+    """`echo` with a token-id prompt (lm-evaluation-harness's tokenized requests; it was a 400):
+    taken, with `max_tokens` 0 too; what is echoed is the ids' text the front door sets
+    (prefill's Detokenize), "" until then."""
+    request = parse(prompt=[[1, 2]], echo=True, max_tokens=0, logprobs=1)
+    assert request.raw_prompt == RawPrompt(token_ids=(1, 2)) and request.echo and request.echo_only
+    assert request.generation.prompt_logprobs == 1 and request.echoed_text == ""
+    request.prompt_ids_text = "once upon"
+    assert request.echoed_text == "once upon"
+
+
 @pytest.mark.parametrize(
     ("body", "match"),
     [
@@ -60,7 +71,6 @@ def test_one_prompt_as_text_or_token_ids(prompt, expected):
         ({"prompt": "a", "n": 17}, "'n' must be an integer from 1 to 16 "),
         ({"prompt": "a", "best_of": 2}, "'best_of' is not supported"),
         ({"prompt": "a", "add_special_tokens": False}, "'add_special_tokens' is not supported"),
-        ({"prompt": [1, 2], "echo": True}, "'echo' needs a text prompt"),
         ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options only goes with"),
     ],
 )

@@ -365,3 +365,37 @@ def test_routing_loads_come_from_each_replicas_load_service():
     loads, picked_idle = asyncio.run(scenario())
     assert loads == [8, 0, 1]  # running + waiting over the cores; no answer: our own call only
     assert picked_idle == [True]
+
+
+def test_a_call_before_the_stage_is_ready_logs_one_line_saying_so(caplog):
+    """Before any replica of a stage has served, every early request's call is refused: it logged
+    two WARNING lines (the replica's, then the status's) burying the start-up's own; one now, that
+    says the stage is not ready. Once a replica has served, a lost one is named as lost."""
+    from tests.stack import free_port
+
+    async def call(pool: ReplicaPool) -> UpstreamError:
+        with pytest.raises(UpstreamError) as err:
+            await pool.call("", _who, "prefill", "r1", TIMEOUT_S)
+        return err.value
+
+    async def scenario() -> tuple[UpstreamError, UpstreamError]:
+        pool = ReplicaPool([f"127.0.0.1:{free_port()}"])
+        try:
+            early = await call(pool)
+            pool.set_serving(pool.addresses[0], True)  # a health check found it serving, then it went
+            late = await call(pool)
+        finally:
+            await pool.close()
+        return early, late
+
+    with caplog.at_level("WARNING"):
+        early, late = asyncio.run(scenario())
+    assert early.code == late.code == grpc.StatusCode.UNAVAILABLE  # the 503 of today
+    assert str(early) == "prefill stage unavailable (request id r1)"
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2, warnings  # one per call
+    assert warnings[0].startswith(
+        "request r1: the prefill stage is not ready (no replica has served yet): 127.0.0.1:"
+    )
+    assert "unavailable" in warnings[0]
+    assert "no replica left to try" in warnings[1] and "not ready" not in warnings[1]
