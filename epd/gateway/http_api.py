@@ -564,6 +564,7 @@ class HttpApi:
             tool_choice=chat.tool_choice,
             steps=steps,
             marker_ids=self._marker_ids(thinking),
+            return_token_ids=chat.return_token_ids,
         )
 
     def _check_reasoning_parser(self) -> None:
