@@ -196,6 +196,22 @@ def test_retrieve_model_names_the_served_model_or_404():
 
     (served, other, slashed), _ = asyncio.run(_requests("", calls))
     assert served[0] == 200 and served[1]["id"] == "epd" and served[1]["object"] == "model"
+    # vLLM's ModelCard fields: root (its weights' path there, the served name here), parent, permission
+    card = served[1]
+    assert (card["root"], card["parent"], card["owned_by"]) == ("epd", None, "epd")
+    (permission,) = card["permission"]
+    assert permission["id"].startswith("modelperm-") and permission["object"] == "model_permission"
+    assert {k: v for k, v in permission.items() if k not in ("id", "object", "created")} == {
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
     assert other[0] == 404 and "model 'other' is not served here" in other[1]["error"]["message"]
     assert slashed[0] == 404 and "model 'org/name'" in slashed[1]["error"]["message"]
 
