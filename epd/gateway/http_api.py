@@ -402,7 +402,8 @@ class HttpApi:
         request may have (`ModelInfo.max_model_len`), null until prefill has said (the stack's
         gateway at start); `root` the served model's name (vLLM's is the weights' path, which the
         gateway neither knows in a stack nor shows: a local path stays in the server's log),
-        `parent` null (no adapters), `permission` vLLM's one default `ModelPermission`."""
+        `parent` null (no adapters), `permission` vLLM's one default `ModelPermission`, as vLLM's
+        `show_available_models` fills them."""
         name = self.config.http.served_model_name
         info = self.pipeline.model_info()
         return {

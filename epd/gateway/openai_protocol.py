@@ -793,7 +793,8 @@ def kept_token_grid(summary: AskSummary, merge_size: int = 2) -> list[list[list[
 def shows_token_ids(return_token_ids: bool, thinking: bool | None, include_reasoning: bool) -> bool:
     """Whether a chat answer's choices (whole or streamed) list their token ids: when the request
     sets vLLM's `return_token_ids`, unless the reasoning is left out (`include_reasoning` false
-    under a reasoning parser: `thinking` not None), whose ids would show it, as vLLM hides them."""
+    under a reasoning parser: `thinking` not None), whose ids would show it, as vLLM hides them
+    (its chat serving code's `hide_stream_metadata`)."""
     return return_token_ids and (thinking is None or include_reasoning)
 
 
