@@ -166,6 +166,12 @@ SCENARIOS: dict[str, tuple[HttpApiConfig, str, dict, _Script]] = {
         {"messages": [USER]},
         _Script(ANSWER[:2], broken_stream("decode", 1, "req-1")),
     ),
+    "chat, an error after the last token's step, before the summary": (
+        HttpApiConfig(port=0),
+        "/v1/chat/completions",
+        {"messages": [USER]},
+        _Script(ANSWER[:3], broken_stream("decode", 3, "req-1")),
+    ),
     "responses, reasoning and a tool call": (
         THINKING_TOOLS,
         "/v1/responses",
