@@ -145,7 +145,8 @@ class ChatChunks:
                 delta, more = _tool_deltas(
                     self.tooled[step.index], delta, step.text if split is None else split.content
                 )
-            if delta != {} or step.logprobs is not None or self.token_ids_shown or step.finish_reason:
+            # (a final step that says nothing still ends its choice: `_finish_choice`'s bare chunk)
+            if delta != {} or step.logprobs is not None or self.token_ids_shown:
                 chunks.append(
                     _delta_chunk(
                         chat,

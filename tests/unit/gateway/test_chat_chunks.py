@@ -155,6 +155,18 @@ def test_a_step_a_parser_holds_back_makes_no_chunk_unless_it_carries_ids_or_logp
     assert len(made(logprobs=True)) == 2
 
 
+def test_a_held_back_final_steps_finish_rides_on_its_parsers_tail_not_an_empty_chunk():
+    """The final step's text all held back (a marker's possible start) makes no empty chunk of
+    its own: the tail its parser gives back at the end carries the finish reason."""
+    chunks = _chat(True)
+    made = chunks.add(TokenStep([5], "hm")) + chunks.add(TokenStep([6], "</thi", "length"))
+    made += chunks.finish(_summary("hm</thi", [5, 6], [ChoiceSummary(0, "hm</thi", [5, 6], "length")]))
+    assert [(c["choices"][0]["delta"].get("reasoning"), c["choices"][0]["finish_reason"]) for c in made] == [
+        ("hm", None),
+        ("</thi", "length"),
+    ]
+
+
 def test_an_echo_alone_lists_its_generated_tokens_id_as_the_whole_answer_does():
     """A completion's echo with max_tokens 0 generates one token (vLLM's): the stream's chunks
     list its id, as the whole answer's `token_ids` does, when return_token_ids asks."""
