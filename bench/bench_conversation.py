@@ -155,6 +155,7 @@ def ask(
         "stream": True,
         "stream_options": {"include_usage": True},
         "media": {"num_frames": args.num_frames},
+        "return_token_ids": True,  # a chunk's token ids: TTFT at the first token, text or not
         **(fields or {}),
     }
     if cache_salt:

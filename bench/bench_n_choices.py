@@ -57,6 +57,7 @@ def post(port: int, body: dict, timeout_s: float) -> dict:
 def chat_body(clip: Path, args, **fields) -> dict:
     url = "data:video/mp4;base64," + base64.b64encode(clip.read_bytes()).decode()
     return {"model": "epd", "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 1.0,
+            "return_token_ids": True,  # each choice's token ids (vLLM's field)
             "media": {"num_frames": args.num_frames}, **fields,
             "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
                                                       {"type": "text", "text": "what moves in the video?"}]}]}  # fmt: skip

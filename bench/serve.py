@@ -318,6 +318,8 @@ def streaming_body(target: OpenAITarget, max_new_tokens: int, **fields) -> dict:
     }
     if target.model:
         body["model"] = target.model
+    if target.dialect == "epd":
+        body["return_token_ids"] = True  # vLLM's field: each chunk's ids, for per-token gaps
     return body
 
 
@@ -364,7 +366,7 @@ def completion_bodies(
 async def _one_openai(session, target: OpenAITarget, body: bytes, url: str = "") -> RequestResult:
     """One streaming request (to `url`, default chat completions): TTFT and inter-token gaps from
     the chunks that carry text (a chat chunk's delta, a completion chunk's `text`; epd's chunks
-    also carry `token_ids`, counted exactly); the token count from the final usage."""
+    also carry `token_ids`, asked for with `return_token_ids`, counted exactly); the token count from the final usage."""
     headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
     if target.api_key:
         headers["Authorization"] = f"Bearer {target.api_key}"

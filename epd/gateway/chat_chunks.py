@@ -5,10 +5,13 @@ are framed as server-sent events by `epd.gateway.sse_stream.write_chat_events`.
 A stream, as vLLM's: per choice, its opening (chat's: the assistant's role and "" content; then
 the echoed text in a chunk of its own, with `echo`); each token step's text (chat's parted into
 reasoning and content by the reasoning parser, the content read for tool calls by the choice's
-tool stream; a completion's with its logprobs' text offsets); each choice's finish chunk, sent
-when it finishes while others go on, the last one's with the summary, which it carries as `epd`
-details; with stream_options include_usage a last chunk of no choices with the usage. Every chunk
-carries `usage`: null with include_usage, the usage so far with continuous_usage_stats too.
+tool stream; a completion's with its logprobs' text offsets), a step that says nothing (its text
+held back by a parser) making no chunk unless it carries logprobs or asked-for token ids; each
+choice's finish reason on the chunk of its final step (after its parsers' held-back tails), sent
+as it finishes while others go on, the last one's with the summary, which it carries as `epd`
+details; with stream_options include_usage a last chunk of no choices with the usage. Chunks list
+their tokens' ids (`token_ids`) only with vLLM's `return_token_ids`. Every chunk carries `usage`:
+null with include_usage, the usage so far with continuous_usage_stats too.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 
 from epd.gateway.completions_protocol import text_completion_chunk
 from epd.gateway.logprobs_protocol import completion_logprobs
-from epd.gateway.openai_protocol import ChatRequest, chunk_body, epd_details, usage
+from epd.gateway.openai_protocol import ChatRequest, chunk_body, epd_details, shows_token_ids, usage
 from epd.gateway.pipeline import AskSummary, PromptLogprobs
 from epd.gateway.reasoning import MarkerIds, ReasoningStream, delta_fields
 from epd.gateway.tool_parsers.answer import ToolAnswerStream, tool_finish_reason
@@ -73,6 +76,8 @@ class ChatChunks:
             else {}
         )
         self.finished: set[int] = set()  # the choices whose finish chunk went out, by index
+        # The last choice's final step's chunks, held back by `add` until the summary's details.
+        self.last_chunks: list[dict[str, Any]] = []
 
     def note(self, event: StageEvent | PromptLogprobs) -> None:
         """An event before the tokens: prefill's "finished" (the prompt's token count, for
@@ -116,14 +121,23 @@ class ChatChunks:
 
     def add(self, step: TokenStep) -> list[dict[str, Any]]:
         """A token step's chunks: its text's (the reasoning parser's split, the tool calls read so
-        far, each call delta past the first in a chunk of its own), then its choice's end when it
-        finished while others go on (as vLLM's; the last one's waits for the summary)."""
+        far, each call delta past the first in a chunk of its own), the step's finish reason on
+        the last of them when it ends its choice, as vLLM's. A step that says nothing (a parser
+        holding its text back) makes no chunk unless the chunk would carry its logprobs or the
+        token ids asked for, as vLLM's. The last choice to end waits for the summary (`finish`)."""
         self.num_tokens += len(step.token_ids)
         self.choice_tokens[step.index] = self.choice_tokens.get(step.index, 0) + len(step.token_ids)
         chat = self.chat
         chunks: list[dict[str, Any]] = []
-        # echo_only: the prompt alone went out (vLLM's echo without generation)
-        if (step.token_ids or step.text) and not chat.echo_only:
+        # echo_only: the prompt alone went out (vLLM's echo without generation); its one generated
+        # token's id still goes, as in the whole answer's `token_ids`.
+        if chat.echo_only:
+            chunks.append(
+                _delta_chunk(
+                    chat, self.request_id, self.created, "", self._ids(step.token_ids), index=step.index
+                )
+            )
+        elif step.token_ids or step.text:
             split = self.parted[step.index].add(step.text, step.token_ids) if self.parted else None
             delta = None if split is None else delta_fields(split, chat.include_reasoning)
             more: list[dict[str, Any]] = []  # tool call deltas past the first, in chunks of their own
@@ -131,42 +145,55 @@ class ChatChunks:
                 delta, more = _tool_deltas(
                     self.tooled[step.index], delta, step.text if split is None else split.content
                 )
-            chunks.append(
-                _delta_chunk(
-                    chat,
-                    self.request_id,
-                    self.created,
-                    step.text,
-                    step.token_ids,
-                    step.logprobs,
-                    self.text_offsets.get(step.index, 0),
-                    step.index,
-                    delta,
+            # (a final step that says nothing still ends its choice: `_finish_choice`'s bare chunk)
+            if delta != {} or step.logprobs is not None or self.token_ids_shown:
+                chunks.append(
+                    _delta_chunk(
+                        chat,
+                        self.request_id,
+                        self.created,
+                        step.text,
+                        self._ids(step.token_ids),
+                        step.logprobs,
+                        self.text_offsets.get(step.index, 0),
+                        step.index,
+                        delta,
+                    )
                 )
-            )
             for extra in more:
                 chunks.append(
                     chunk_body(
-                        self.request_id, chat.model, self.created, extra, token_ids=[], index=step.index
+                        self.request_id,
+                        chat.model,
+                        self.created,
+                        extra,
+                        token_ids=self._ids([]),
+                        index=step.index,
                     )
                 )
             self.text_offsets[step.index] = self.text_offsets.get(step.index, 0) + len(step.text)
-        if step.finish_reason and len(self.finished) + 1 < chat.generation.n:
-            chunks += self._finish_choice(step.index, step.finish_reason, step.stop_reason)
+        if step.finish_reason:
+            if len(self.finished) + 1 == chat.generation.n:
+                self.last_chunks = chunks  # the summary's details go on its end
+                return []
+            chunks = self._finish_choice(step.index, step.finish_reason, step.stop_reason, chunks)
         return [self._with_usage(chunk) for chunk in chunks]
 
     def finish(self, summary: AskSummary) -> list[dict[str, Any]]:
-        """The answer's end: the choices not finished yet, the last one's chunk carrying the
-        summary (`epd_details`), then with include_usage the usage chunk."""
+        """The answer's end: the choices not finished yet (the last one's final step, held back by
+        `add`, its last chunk carrying the summary as `epd_details`), then with include_usage the
+        usage chunk."""
         self.num_prompt_tokens = summary.num_prompt_tokens
         chunks: list[dict[str, Any]] = []
         left = [c for c in summary.all_choices() if c.index not in self.finished]
         for choice in left:
+            last = choice is left[-1]
             chunks += self._finish_choice(
                 choice.index,
                 choice.finish_reason,
                 choice.stop_reason,
-                epd_details(summary) if choice is left[-1] else None,
+                self.last_chunks if last else [],
+                epd_details(summary) if last else None,
             )
         if self.chat.include_usage:
             chunks.append(
@@ -178,12 +205,27 @@ class ChatChunks:
             )
         return [self._with_usage(chunk) for chunk in chunks]
 
+    @property
+    def token_ids_shown(self) -> bool:
+        """Whether the chunks list their tokens' ids (`shows_token_ids`)."""
+        return shows_token_ids(self.chat.return_token_ids, self.thinking, self.chat.include_reasoning)
+
+    def _ids(self, token_ids: list[int]) -> list[int] | None:
+        """A chunk's `token_ids`: `token_ids` when the request asked for them, else None (none)."""
+        return token_ids if self.token_ids_shown else None
+
     def _finish_choice(
-        self, index: int, reason: str, stop: StopReason, details: dict | None = None
+        self,
+        index: int,
+        reason: str,
+        stop: StopReason,
+        chunks: list[dict[str, Any]],
+        details: dict | None = None,
     ) -> list[dict[str, Any]]:
-        """Choice `index`'s end: the tails its parsers held back (a reasoning marker's start, a
-        tool call's text), then its finish chunk ("tool_calls" when it made calls, as vLLM's;
-        with the summary's `epd` details on the request's last)."""
+        """Choice `index`'s end: its final step's `chunks`, the tails its parsers held back (a
+        reasoning marker's start, a tool call's text), the last of them with its finish reason
+        ("tool_calls" when it made calls, as vLLM's; an empty delta when there is none) and, on
+        the request's last, the summary's `epd` details."""
         chat = self.chat
         self.finished.add(index)
         deltas = []
@@ -195,13 +237,22 @@ class ChatChunks:
             deltas += calls.finish()
             reason = tool_finish_reason(chat.tool_choice, calls.num_calls, reason or "stop", streamed=True)
         chunks = [
-            chunk_body(self.request_id, chat.model, self.created, delta, token_ids=[], index=index)
-            for delta in deltas
+            *chunks,
+            *(
+                chunk_body(
+                    self.request_id, chat.model, self.created, delta, token_ids=self._ids([]), index=index
+                )
+                for delta in deltas
+            ),
         ]
-        final = _final_chunk(chat, self.request_id, self.created, index, reason, stop)
+        if not chunks:
+            chunks = [_final_chunk(chat, self.request_id, self.created, index)]
+        choice = chunks[-1]["choices"][0]
+        choice["finish_reason"] = reason or "stop"
+        choice["stop_reason"] = stop
         if details is not None:
-            final["epd"] = details
-        return [*chunks, final]
+            chunks[-1]["epd"] = details
+        return chunks
 
     def _with_usage(self, chunk: dict[str, Any]) -> dict[str, Any]:
         """`chunk` with the usage stream_options ask for, unless it has its own (the usage chunk's):
@@ -224,6 +275,12 @@ class ChatChunks:
         elif self.chat.include_usage:
             chunk.setdefault("usage", None)
         return chunk
+
+    def cut(self) -> list[dict[str, Any]]:
+        """The chunks `add` held back for the summary, without their finish reason, when the
+        answer fails before it (the error event follows them)."""
+        chunks, self.last_chunks = self.last_chunks, []
+        return [self._with_usage(chunk) for chunk in chunks]
 
     def _echo_logprobs(self) -> Sequence[TokenLogprob] | None:
         return self.prompt_logprobs if self.chat.generation.logprobs is not None else None
@@ -255,8 +312,8 @@ def _delta_chunk(
     delta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A streamed answer's chunk of new text for choice `index`: chat's delta, or a legacy
-    completion's text; `token_ids` None (no `token_ids` field): the echoed text, which no generated
-    token made. `logprobs`: those of `token_ids` when the request asked (a completion's first
+    completion's text; `token_ids` None (no `token_ids` field): not asked for, or the echoed text,
+    which no generated token made. `logprobs`: those of `token_ids` when the request asked (a completion's first
     `text_offset` is the length of the choice's text sent before this chunk, as vLLM streams it),
     or, of the echoed text, the prompt's tokens' (the first with nulls).
     `delta`: chat's, the text parted by the reasoning parser (None: `{"content": text}`)."""
@@ -281,20 +338,10 @@ def _delta_chunk(
     )
 
 
-def _final_chunk(
-    chat: ChatRequest,
-    request_id: str,
-    created: int,
-    index: int | None,
-    finish_reason: str = "",
-    stop: StopReason = None,
-) -> dict[str, Any]:
-    """The chunk with choice `index`'s finish reason (and vLLM's stop_reason); None: a chunk
-    without either (the usage chunk's frame)."""
-    finish = None if index is None else finish_reason or "stop"
+def _final_chunk(chat: ChatRequest, request_id: str, created: int, index: int | None) -> dict[str, Any]:
+    """A chunk of no text for choice `index` (0 when None: the usage chunk's frame): the frame of a
+    choice's finish when its final step made no chunk."""
     index = index or 0
     if chat.raw_prompt is not None:
-        return text_completion_chunk(
-            request_id, chat.model, created, "", finish, stop_reason=stop, index=index
-        )
-    return chunk_body(request_id, chat.model, created, {}, finish, stop_reason=stop, index=index)
+        return text_completion_chunk(request_id, chat.model, created, "", index=index)
+    return chunk_body(request_id, chat.model, created, {}, index=index)

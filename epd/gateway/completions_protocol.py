@@ -159,7 +159,8 @@ def text_completion_body(
                 ),
                 "finish_reason": choice.finish_reason or "stop",
                 "stop_reason": choice.stop_reason,
-                "token_ids": choice.token_ids,  # vLLM's (with its return_token_ids): the answer's
+                # vLLM's, with its return_token_ids: the generated tokens' (echo_only's one too)
+                **({"token_ids": choice.token_ids} if request.return_token_ids else {}),
                 "prompt_logprobs": prompt_logprobs_json(summary.prompt_logprobs),  # vLLM's, when asked
             }
             for choice in summary.all_choices()

@@ -51,6 +51,7 @@ import functools
 import hashlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -398,8 +399,12 @@ class HttpApi:
         return any_key_matches(token, self.config.http.api_keys)
 
     def _model_object(self) -> dict[str, Any]:
-        """vLLM's model card: its `max_model_len` is the longest prompt plus answer a request may
-        have (`ModelInfo.max_model_len`); null until prefill has said (the stack's gateway at start)."""
+        """vLLM's model card (`ModelCard`): its `max_model_len` is the longest prompt plus answer a
+        request may have (`ModelInfo.max_model_len`), null until prefill has said (the stack's
+        gateway at start); `root` the served model's name (vLLM's is the weights' path, which the
+        gateway neither knows in a stack nor shows: a local path stays in the server's log),
+        `parent` null (no adapters), `permission` vLLM's one default `ModelPermission`, as vLLM's
+        `show_available_models` fills them."""
         name = self.config.http.served_model_name
         info = self.pipeline.model_info()
         return {
@@ -407,7 +412,25 @@ class HttpApi:
             "object": "model",
             "created": self.started_s,
             "owned_by": "epd",
+            "root": name,
+            "parent": None,
             "max_model_len": None if info is None else info.max_model_len,
+            "permission": [
+                {
+                    "id": f"modelperm-{uuid.uuid4().hex}",
+                    "object": "model_permission",
+                    "created": int(time.time()),
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
         }
 
     async def models(self, request: web.Request) -> web.Response:
@@ -574,6 +597,7 @@ class HttpApi:
             tool_choice=chat.tool_choice,
             steps=steps,
             marker_ids=self._marker_ids(thinking),
+            return_token_ids=chat.return_token_ids,
         )
 
     def _check_reasoning_parser(self) -> None:

@@ -204,7 +204,7 @@ KNOWN_CHAT_FIELDS = {
     "media", "pruning", "cache_salt", "user", "metadata", "store", "service_tier",
     "request_id", "logit_bias", "stop_token_ids", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
     "skip_special_tokens", "spaces_between_special_tokens",
-    "return_token_ids",  # vLLM's: the choices carry `token_ids` always (not its `prompt_token_ids`)
+    "return_token_ids",  # vLLM's: the choices' `token_ids` (not its `prompt_token_ids`)
     "include_reasoning",  # vLLM's: read with `--reasoning-parser` (`epd.gateway.reasoning`)
     "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "chat_template", "echo",
     *STRUCTURED_FIELDS,
@@ -284,6 +284,10 @@ class ChatRequest:
     """vLLM's `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs`: how
     the chat template renders the prompt. A continued message's answer is the continuation alone,
     as vLLM's; with `echo` too, it is the whole message, the given text first."""
+    return_token_ids: bool = False
+    """vLLM's `return_token_ids`: each choice lists its generated tokens' ids (`token_ids`), whole
+    or streamed (each chunk its step's); left out otherwise, as vLLM's. Not the prompt's ids
+    (vLLM's `prompt_token_ids`): the gateway does not hold them (prefill tokenises)."""
     include_reasoning: bool = True
     """vLLM's `include_reasoning`: false leaves a thinking model's reasoning out of the answer
     (with `--reasoning-parser`; without one the answer is the text whole, as vLLM's)."""
@@ -415,7 +419,7 @@ def answer_options(
 ) -> dict[str, Any]:
     """The fields chat and legacy completions share, as `ChatRequest` keyword arguments: streaming
     and its usage options, generation (with `logprobs`, each door's own field:
-    `epd.gateway.logprobs_protocol`), cache_salt, request_id."""
+    `epd.gateway.logprobs_protocol`), cache_salt, request_id, return_token_ids."""
     stream = boolean_field(body, "stream", False)
     stream_options = body.get("stream_options")
     if stream_options is not None and not stream:
@@ -439,6 +443,7 @@ def answer_options(
         ),
         "cache_salt": check_cache_salt(checked_text(body.get("cache_salt"), "cache_salt")),
         "request_id": checked_text(body.get("request_id"), "request_id"),
+        "return_token_ids": boolean_field(body, "return_token_ids", False),
     }
 
 
@@ -790,6 +795,14 @@ def kept_token_grid(summary: AskSummary, merge_size: int = 2) -> list[list[list[
     return kept
 
 
+def shows_token_ids(return_token_ids: bool, thinking: bool | None, include_reasoning: bool) -> bool:
+    """Whether a chat answer's choices (whole or streamed) list their token ids: when the request
+    sets vLLM's `return_token_ids`, unless the reasoning is left out (`include_reasoning` false
+    under a reasoning parser: `thinking` not None), whose ids would show it, as vLLM hides them
+    (its chat serving code's `hide_stream_metadata`)."""
+    return return_token_ids and (thinking is None or include_reasoning)
+
+
 def completion_body(
     summary: AskSummary,
     model: str,
@@ -801,6 +814,7 @@ def completion_body(
     tool_choice: ToolChoice = ToolChoice(),
     steps: Iterable[TokenStep] | None = None,
     marker_ids: MarkerIds | None = None,
+    return_token_ids: bool = False,
 ) -> dict[str, Any]:
     """A chat answer's body; `role`: `ChatRequest.response_role`; `echoed`: `ChatRequest.echoed_text`,
     the content's start (usage still counts the generated tokens alone, as vLLM's). `thinking`
@@ -809,7 +823,8 @@ def completion_body(
     content, counting the reasoning's tokens in the same pass (`part_answers`, as the Responses
     answer parts and counts its steps; by token id with the served model's `marker_ids`);
     `tool_choice` (`ChatRequest.tool_choice`) takes the content's tool calls into the message's
-    `tool_calls` (`epd.gateway.tool_parsers`)."""
+    `tool_calls` (`epd.gateway.tool_parsers`); `return_token_ids` (`ChatRequest`'s) lists each
+    choice's token ids (`shows_token_ids`)."""
     parted = None
     if thinking is not None:
         if steps is None:
@@ -825,8 +840,11 @@ def completion_body(
                 "logprobs": None if choice.logprobs is None else chat_logprobs(choice.logprobs),
                 "finish_reason": tool_finish_reason(tool_choice, num_calls, choice.finish_reason or "stop"),
                 "stop_reason": choice.stop_reason,
-                # vLLM's place for them (with its `return_token_ids`), as on every streamed chunk.
-                "token_ids": choice.token_ids,
+                **(
+                    {"token_ids": choice.token_ids}
+                    if shows_token_ids(return_token_ids, thinking, include_reasoning)
+                    else {}
+                ),
             }
         )
     return {

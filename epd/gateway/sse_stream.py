@@ -175,6 +175,7 @@ async def write_chat_events(
         raise
     except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - mapped in status_of
         response, body = await stream.failed(exc, chunks.num_tokens)
+        await send(chunks.cut())  # the last tokens held back for the summary that never came
         await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
     if stream.response is None:
         raise RuntimeError("the pipeline ended without a token")

@@ -26,6 +26,7 @@ def test_echo_gives_back_the_whole_continued_message_plain_and_streamed(
     prompt_ids, want, text, body = continued_over_http(tiny_models, media_files)
     assert text and not text.startswith(GIVEN)  # the echo is what puts the start in front
     body["echo"] = True
+    body["return_token_ids"] = True
     port = shared_stack.http_port
 
     status, reply = post_json(port, CHAT, body)

@@ -99,7 +99,7 @@ def test_a_raw_prompt_equals_generate_in_every_family_plain_and_streamed(checkpo
     path = checkpoints[family]
     ids, want = raw_reference(path)
     assert len(set(want)) > 2, "the tiny model repeats one token; the comparison would prove little"
-    body = {"model": "epd", "prompt": PROMPT, "max_tokens": MAX_TOKENS}
+    body = {"model": "epd", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "return_token_ids": True}
     with build_embedded_pipeline(ModelConfig(model=str(path))) as pipeline:
         (status, plain), (stream_status, events) = post_embedded(
             pipeline,
@@ -143,8 +143,12 @@ def test_stop_reason_names_the_stop_string_or_token_on_chat_and_completions(chec
         )
         stop_text = plain["choices"][0]["text"][3:6]
         stop_token = want[4]
-        completions = {"prompt": PROMPT, "max_tokens": MAX_TOKENS}
-        chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS}
+        completions = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "return_token_ids": True}
+        chat = {
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": MAX_TOKENS,
+            "return_token_ids": True,
+        }
         ((_, chat_plain),) = post_embedded(pipeline, ("/v1/chat/completions", chat))
         chat_stop = chat_plain["choices"][0]["token_ids"][2]
         answers = post_embedded(
@@ -187,7 +191,7 @@ def test_an_answer_the_models_other_end_of_sequence_token_ends_has_its_id_for_st
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     eos, user = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|user|>")
     assert tokenizer.convert_ids_to_tokens(eos) == "<|endoftext|>" and user != eos
-    chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3}
+    chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3, "return_token_ids": True}
     with build_embedded_pipeline(ModelConfig(model=str(path))) as pipeline:
         answers = post_embedded(
             pipeline,
@@ -279,7 +283,8 @@ def test_completions_through_the_stack_plain_streamed_and_over_grpc(shared_stack
     http = openai.OpenAI(
         base_url=f"http://127.0.0.1:{shared_stack.http_port}/v1", api_key="none", max_retries=0
     )
-    plain = http.completions.create(model="epd", prompt=PROMPT, max_tokens=MAX_TOKENS)
+    ids_asked = {"return_token_ids": True}
+    plain = http.completions.create(model="epd", prompt=PROMPT, max_tokens=MAX_TOKENS, extra_body=ids_asked)
     choice = plain.choices[0]
     assert choice.model_extra["token_ids"] == want and choice.finish_reason == "length"
     assert choice.model_extra["stop_reason"] is None
@@ -291,12 +296,13 @@ def test_completions_through_the_stack_plain_streamed_and_over_grpc(shared_stack
             max_tokens=MAX_TOKENS,
             stream=True,
             stream_options={"include_usage": True},
+            extra_body=ids_asked,
         )
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
     assert [t for c in chunks if c.choices for t in c.choices[0].model_extra.get("token_ids") or []] == want
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == MAX_TOKENS
-    by_ids = http.completions.create(model="epd", prompt=ids, max_tokens=MAX_TOKENS)
+    by_ids = http.completions.create(model="epd", prompt=ids, max_tokens=MAX_TOKENS, extra_body=ids_asked)
     assert by_ids.choices[0].model_extra["token_ids"] == want
 
     stop_text = choice.text[3:6]
@@ -316,7 +322,10 @@ def test_completions_through_the_stack_plain_streamed_and_over_grpc(shared_stack
     ]
     assert final[0].choices[0].model_extra["stop_reason"] == want[4]
     reply = http.chat.completions.create(
-        model="epd", messages=[{"role": "user", "content": PROMPT}], max_tokens=MAX_TOKENS
+        model="epd",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=MAX_TOKENS,
+        extra_body=ids_asked,
     )
     chat_stop = reply.choices[0].model_extra["token_ids"][2]
     chat = [

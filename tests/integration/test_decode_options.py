@@ -117,7 +117,10 @@ def test_the_stack_decodes_with_the_requests_options_at_every_door(shared_stack,
     }
     chat["logit_bias"] = {str(k): v for k, v in biased["logit_bias"].items()}
     chat.update(repetition_penalty=biased["repetition_penalty"], ignore_eos=True)
-    completion = {k: v for k, v in chat.items() if k != "messages"} | {"prompt": "name a colour"}
+    completion = {k: v for k, v in chat.items() if k != "messages"} | {
+        "prompt": "name a colour",
+        "return_token_ids": True,
+    }
     with EpdClient(shared_stack.gateway, timeout_s=120) as client:
         for skip, spaces in OPTIONS:
             label = f"skip_special_tokens={skip} spaces_between_special_tokens={spaces}"

@@ -79,7 +79,8 @@ def ask_http(client, url: str, kind: str = "video_url", **kwargs):
         model=MODEL,
         messages=video_message(url, kind),
         max_tokens=MAX_TOKENS,
-        extra_body={"media": {"num_frames": NUM_FRAMES}},
+        # vLLM's return_token_ids: the choices list their token ids, compared with gRPC's
+        extra_body={"media": {"num_frames": NUM_FRAMES}, "return_token_ids": True},
         **kwargs,
     )
 

@@ -31,7 +31,7 @@ FRAMES = 4
 def chat(port: int, media: bytes, kind: str, max_tokens: int, **fields) -> dict:
     mime = "video/mp4" if kind == "video_url" else "image/png"
     url = f"data:{mime};base64," + base64.b64encode(media).decode()
-    body = {"model": "epd", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+    body = {"model": "epd", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
             "media": {"num_frames": FRAMES}, **fields,
             "messages": [{"role": "user", "content": [{"type": kind, kind: {"url": url}},
                                                       {"type": "text", "text": "what moves?"}]}]}  # fmt: skip

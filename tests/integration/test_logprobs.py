@@ -276,8 +276,14 @@ def test_logprobs_through_the_stack_plain_streamed_and_over_grpc(shared_stack, t
         base_url=f"http://127.0.0.1:{shared_stack.http_port}/v1", api_key="none", max_retries=0
     )
     messages = [{"role": m["role"], "content": m["content"][0]["text"]} for m in TEXT_CHAT]
+    ids_asked = {"return_token_ids": True}
     reply = http.chat.completions.create(
-        model="epd", messages=messages, max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=K
+        model="epd",
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        logprobs=True,
+        top_logprobs=K,
+        extra_body=ids_asked,
     )
     choice = reply.choices[0]
     assert choice.model_extra["token_ids"] == want and choice.logprobs and choice.logprobs.content
@@ -298,7 +304,13 @@ def test_logprobs_through_the_stack_plain_streamed_and_over_grpc(shared_stack, t
     streamed = [
         c
         for c in http.chat.completions.create(
-            model="epd", messages=messages, max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=K, stream=True
+            model="epd",
+            messages=messages,
+            max_tokens=MAX_TOKENS,
+            logprobs=True,
+            top_logprobs=K,
+            stream=True,
+            extra_body=ids_asked,
         )
         if c.choices
     ]
@@ -308,7 +320,9 @@ def test_logprobs_through_the_stack_plain_streamed_and_over_grpc(shared_stack, t
         tokens = chunk.choices[0].model_extra.get("token_ids") or []
         assert len(chunk.choices[0].logprobs.content if chunk.choices[0].logprobs else []) == len(tokens)
     check_content([e for c in streamed if c.choices[0].logprobs for e in c.choices[0].logprobs.content])
-    plain = http.chat.completions.create(model="epd", messages=messages, max_tokens=MAX_TOKENS)
+    plain = http.chat.completions.create(
+        model="epd", messages=messages, max_tokens=MAX_TOKENS, extra_body=ids_asked
+    )
     assert plain.choices[0].logprobs is None and plain.choices[0].model_extra["token_ids"] == want
     just_sampled = http.chat.completions.create(model="epd", messages=messages, max_tokens=2, logprobs=True)
     assert [e.top_logprobs for e in just_sampled.choices[0].logprobs.content] == [[], []]

@@ -142,7 +142,11 @@ def test_http_streaming_and_not_equal_generate_and_each_other(http, media_files,
                   extra_body={"media": {"num_frames": NUM_FRAMES}})  # fmt: skip
     whole = http.chat.completions.create(**kwargs)
     assert whole.model_extra["epd"]["token_ids"] == references[shape]
-    chunks = list(http.chat.completions.create(stream=True, **kwargs))
+    chunks = list(
+        http.chat.completions.create(
+            stream=True, **{**kwargs, "extra_body": {**kwargs["extra_body"], "return_token_ids": True}}
+        )
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     streamed_ids = [t for c in chunks if c.choices for t in (c.choices[0].model_extra.get("token_ids") or [])]
     assert streamed_ids == references[shape]

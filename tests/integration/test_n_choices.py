@@ -44,9 +44,13 @@ def greedy(tiny_models, media_files):
     return reference_tokens(tiny_models["qwen2_vl"], video, QUESTION, MAX_NEW_TOKENS)
 
 
+IDS = {"return_token_ids": True}
+"""vLLM's field: the choices list their token ids (whole and streamed), which these tests compare."""
+
+
 def _video_body(media_files, **fields) -> dict:
     url = "data:video/mp4;base64," + base64.b64encode(media_files["mp4"].read_bytes()).decode()
-    return {"model": "epd", "max_tokens": MAX_NEW_TOKENS, "media": {"num_frames": NUM_FRAMES}, **fields,
+    return {"model": "epd", "max_tokens": MAX_NEW_TOKENS, "media": {"num_frames": NUM_FRAMES}, **IDS, **fields,
             "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
                                                       {"type": "text", "text": QUESTION}]}]}  # fmt: skip
 
@@ -58,7 +62,7 @@ def _unseen_image_body(**fields) -> dict:
     png = io.BytesIO()
     Image.fromarray(pixels).save(png, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
-    return {"model": "epd", "max_tokens": MAX_NEW_TOKENS, **fields,
+    return {"model": "epd", "max_tokens": MAX_NEW_TOKENS, **IDS, **fields,
             "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                       {"type": "text", "text": "what is in it?"}]}]}  # fmt: skip
 
@@ -116,10 +120,10 @@ def test_greedy_choices_are_identical_and_equal_generate(shared_stack, media_fil
     status, completion = post_json(
         port,
         "/v1/completions",
-        {"model": "epd", "prompt": "the sky is", "max_tokens": MAX_NEW_TOKENS, "n": 2},
+        {"model": "epd", "prompt": "the sky is", "max_tokens": MAX_NEW_TOKENS, "n": 2, **IDS},
     )
     status_one, one = post_json(
-        port, "/v1/completions", {"model": "epd", "prompt": "the sky is", "max_tokens": MAX_NEW_TOKENS}
+        port, "/v1/completions", {"model": "epd", "prompt": "the sky is", "max_tokens": MAX_NEW_TOKENS, **IDS}
     )
     assert (status, status_one) == (200, 200), completion
     assert _tokens(completion) == [one["choices"][0]["token_ids"]] * 2
@@ -187,7 +191,7 @@ def test_each_choice_has_its_own_logprobs_those_of_its_single_request(shared_sta
     status, completion = post_json(
         port,
         "/v1/completions",
-        {"model": "epd", "prompt": "the sky is", "max_tokens": 4, "n": 2, "logprobs": 1},
+        {"model": "epd", "prompt": "the sky is", "max_tokens": 4, "n": 2, "logprobs": 1, **IDS},
     )
     assert status == 200, completion
     for choice in completion["choices"]:
@@ -315,12 +319,22 @@ def test_choices_in_the_colocated_server(tiny_models, media_files):
         ("/v1/chat/completions", _video_body(media_files, temperature=1.0, seed=SEED + i)) for i in (0, 1)
     ]
     requests.append(
-        ("/v1/completions", {"model": "epd", "prompt": "the sky is", "max_tokens": 4, "n": 2, **fields})
+        (
+            "/v1/completions",
+            {"model": "epd", "prompt": "the sky is", "max_tokens": 4, "n": 2, **IDS, **fields},
+        )
     )
     requests.append(
         (
             "/v1/completions",
-            {"model": "epd", "prompt": "the sky is", "max_tokens": 4, "seed": SEED + 1, "temperature": 1.0},
+            {
+                "model": "epd",
+                "prompt": "the sky is",
+                "max_tokens": 4,
+                "seed": SEED + 1,
+                "temperature": 1.0,
+                **IDS,
+            },
         )
     )
     with build_embedded_pipeline(ModelConfig(model=str(tiny_models["qwen2_vl"]))) as pipeline:
@@ -355,15 +369,15 @@ def _early_stop(port: int, path: str, body: dict) -> tuple[dict, int, int]:
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_a_choice_that_ends_early_sends_its_finish_while_the_other_goes_on(shared_stack, media_files, path):
-    # vLLM's stream: each choice's finish chunk (finish_reason, stop_reason) as it finishes, the
-    # other choices' tokens after it, the usage once at the end. Choice 0 stops at a stop token
+    # vLLM's stream: each choice's finish (finish_reason, stop_reason) on its last token's chunk
+    # as it finishes, the other choices' tokens after it, the usage once at the end. Choice 0 stops at a stop token
     # within its first 6 tokens, choice 1 runs 64: both decode in the one decoder's batch, a
     # token each per step, so choice 1 has tokens left to send when choice 0 ends.
     port = shared_stack.http_port
     if path == "/v1/chat/completions":
         body = _video_body(media_files)
     else:
-        body = {"model": "epd", "prompt": "the sky is"}
+        body = {"model": "epd", "prompt": "the sky is", **IDS}
     fields, stop_id, k = _early_stop(port, path, body)
     fields["stop_token_ids"] = [stop_id]
     status, plain = post_json(port, path, {**body, **fields})
@@ -382,7 +396,7 @@ def test_a_choice_that_ends_early_sends_its_finish_while_the_other_goes_on(share
     assert last["choices"] == [] and last["usage"] == plain["usage"]  # the usage once, at the end
 
     def where(index: int, finished: bool) -> list[int]:
-        """Positions of choice `index`'s chunks: its finish chunk, or those with tokens."""
+        """Positions of choice `index`'s chunks: its finish's, or those with tokens."""
         return [
             at
             for at, chunk in enumerate(chunks)
@@ -391,7 +405,7 @@ def test_a_choice_that_ends_early_sends_its_finish_while_the_other_goes_on(share
         ]
 
     [early_end], [late_end] = where(0, finished=True), where(1, finished=True)
-    assert max(where(0, finished=False)) < early_end < max(where(1, finished=False)) < late_end
+    assert max(where(0, finished=False)) == early_end < max(where(1, finished=False)) == late_end
     [early], [late] = chunks[early_end]["choices"], chunks[late_end]["choices"]
     assert (early["finish_reason"], early["stop_reason"]) == ("stop", stop_id)
     assert (late["finish_reason"], late["stop_reason"]) == ("length", None)

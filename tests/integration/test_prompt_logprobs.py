@@ -255,7 +255,9 @@ def test_a_streamed_echo_with_logprobs_joins_to_the_whole_answer(shared_stack, t
         base_url=f"http://127.0.0.1:{shared_stack.http_port}/v1", api_key="none", max_retries=0
     )
     raw_ids, raw_logprobs = reference(tiny_models["qwen2_vl"], prompt=PROMPT)
-    body: dict = dict(model="epd", prompt=PROMPT, max_tokens=4, echo=True, logprobs=2)
+    body: dict = dict(
+        model="epd", prompt=PROMPT, max_tokens=4, echo=True, logprobs=2, extra_body={"return_token_ids": True}
+    )
     whole = http.completions.create(**body).model_dump()["choices"][0]
     chunks = [c.model_dump()["choices"][0] for c in http.completions.create(**body, stream=True) if c.choices]
 

@@ -99,7 +99,7 @@ def test_the_stack_parts_a_thinking_answer_into_reasoning_and_content(qwen3_5, t
         # vLLM's chat usage with a reasoning parser: those before </think>'s (the marker left out).
         assert reply["usage"]["completion_tokens_details"] == {"reasoning_tokens": end}
 
-        chunks = _stream(port, _body(allowed_token_ids=allowed))
+        chunks = _stream(port, _body(allowed_token_ids=allowed, return_token_ids=True))
         assert (_joined(chunks, "reasoning"), _joined(chunks, "reasoning_content")) == (reasoning, reasoning)
         assert _joined(chunks, "content") == content
         assert [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids", [])] == ids

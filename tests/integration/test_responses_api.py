@@ -70,7 +70,7 @@ def test_a_video_question_is_chats_answer_plain_and_streamed(client, video_url):
         extra_body=MEDIA,
     )
     assert response.object == "response" and response.id.startswith("resp_")
-    assert response.model_extra["epd"]["token_ids"] == chat.choices[0].model_extra["token_ids"]
+    assert response.model_extra["epd"]["token_ids"] == chat.model_extra["epd"]["token_ids"]
     assert response.output_text == chat.choices[0].message.content
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
     assert chat.choices[0].finish_reason == "length"  # the tiny model runs to max_tokens
@@ -132,7 +132,7 @@ def test_logprobs_are_chats_on_the_text_and_its_deltas(client, video_url):
         "extra_body": MEDIA,
     }
     response = client.responses.create(**ask)
-    assert response.model_extra["epd"]["token_ids"] == chat.choices[0].model_extra["token_ids"]
+    assert response.model_extra["epd"]["token_ids"] == chat.model_extra["epd"]["token_ids"]
     (text,) = response.output[0].content
     assert _same_logprobs([lp.model_dump() for lp in text.logprobs], want) and response.top_logprobs == 2
 
@@ -258,7 +258,7 @@ def test_text_format_json_schema_is_chats_response_format(client, video_url):
         text={"format": fmt},
         extra_body=MEDIA,
     )
-    assert response.model_extra["epd"]["token_ids"] == chat.choices[0].model_extra["token_ids"]
+    assert response.model_extra["epd"]["token_ids"] == chat.model_extra["epd"]["token_ids"]
     assert response.output_text == chat.choices[0].message.content
     assert response.text.format.type == "json_schema"
     plain = client.responses.create(

@@ -119,7 +119,8 @@ def references(tiny_models, video):
 
 def chat_request(port: int, media_files, **fields) -> urllib.request.Request:
     url = "data:video/mp4;base64," + base64.b64encode(media_files["mp4"].read_bytes()).decode()
-    body = {"model": "epd", "max_tokens": MAX_TOKENS, "media": {"num_frames": NUM_FRAMES}, **fields,
+    body = {"model": "epd", "max_tokens": MAX_TOKENS, "media": {"num_frames": NUM_FRAMES}, "return_token_ids": True,
+            **fields,
             "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
                                                       {"type": "text", "text": QUESTION}]}]}  # fmt: skip
     return urllib.request.Request(

@@ -114,7 +114,7 @@ def reference(qwen3_5):
 
 
 def _body(**fields) -> dict:
-    return {"model": "epd", "messages": MESSAGES, "max_tokens": MAX_TOKENS,
+    return {"model": "epd", "messages": MESSAGES, "max_tokens": MAX_TOKENS, "return_token_ids": True,
             "structured_outputs": {"regex": REGEX}, **fields}  # fmt: skip
 
 
@@ -163,11 +163,11 @@ def test_the_grammar_starts_after_the_models_end_of_reasoning_through_the_stack(
         assert [c["token_ids"] for c in reply["choices"]] == [want, want]
 
         # A batch: the cases at once, with a request without a constraint among them.
-        plain = _chat(port, {"model": "epd", "messages": MESSAGES, "max_tokens": MAX_TOKENS})["choices"][0][
-            "token_ids"
-        ]
+        plain = _chat(
+            port, {"model": "epd", "messages": MESSAGES, "max_tokens": MAX_TOKENS, "return_token_ids": True}
+        )["choices"][0]["token_ids"]
         bodies = [_body(**fields) for fields, _ in cases.values()] + [
-            {"model": "epd", "messages": MESSAGES, "max_tokens": MAX_TOKENS}
+            {"model": "epd", "messages": MESSAGES, "max_tokens": MAX_TOKENS, "return_token_ids": True}
         ]
         with ThreadPoolExecutor(len(bodies)) as pool:
             replies = list(pool.map(lambda body: _chat(port, body), bodies))

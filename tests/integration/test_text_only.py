@@ -410,6 +410,7 @@ def test_http_and_grpc_answer_text_alone_without_calling_the_encoder(shared_stac
         max_tokens=MAX_NEW_TOKENS,
         stream=True,
         stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True},
     )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

@@ -215,7 +215,7 @@ def test_the_stack_answers_tool_calls_plain_and_streamed(tool_model, tmp_path):
         assert all(
             isinstance(json.loads(c["function"]["arguments"]), dict) for c in choice["message"]["tool_calls"]
         )
-        chunks = _stream(port, required)
+        chunks = _stream(port, {**required, "return_token_ids": True})
         calls, _, finish = _streamed_calls(chunks)
         assert ([_named(c) for c in calls], finish) == (
             [_named(c) for c in choice["message"]["tool_calls"]],

@@ -1,7 +1,8 @@
 """A streamed chat answer's and legacy completion's chunks, shaped without HTTP
 (`epd.gateway.chat_chunks.ChatChunks`, fed the events the pipeline emits): the usage each chunk
-carries, when each of n choices' finish chunk comes and which carries the summary, an echo's text
-offsets, a named tool's arguments. The SSE bytes a real HttpApi sends for these shapes are pinned
+carries, when each of n choices' finish comes (on its last token's chunk) and which carries the
+summary, an echo's text offsets, a named tool's arguments, when token ids are listed and which
+steps make no chunk. The SSE bytes a real HttpApi sends for these shapes are pinned
 in test_chat_stream_bytes.py."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import subprocess
 import sys
 
 from epd.gateway.chat_chunks import ChatChunks
-from epd.gateway.completions_protocol import parse_completion_request
+from epd.gateway.completions_protocol import parse_completion_request, text_completion_body
 from epd.gateway.openai_protocol import parse_chat_request
 from epd.gateway.pipeline import AskSummary, ChoiceSummary, PromptLogprobs
 from epd.model_runtime.logprobs import TokenLogprob
@@ -22,14 +23,15 @@ from epd.video.types import SamplingOptions
 USER = {"role": "user", "content": "name a colour"}
 
 
-def _chat(**body) -> ChatChunks:
+def _chat(thinking: bool | None = None, **body) -> ChatChunks:
+    """A chat stream's chunks; `thinking` not None: under a reasoning parser, thinking or not."""
     chat = parse_chat_request(
         {"model": "epd", "messages": [USER], "stream": True, **body},
         "epd",
         SamplingOptions(),
         GenerationConfig(),
     )
-    return ChatChunks(chat, "req-1", None, created=7)
+    return ChatChunks(chat, "req-1", thinking, created=7)
 
 
 def _completion(**body) -> ChatChunks:
@@ -54,8 +56,8 @@ def test_continuous_usage_is_the_usage_when_each_chunk_is_made():
     chunks.note(StageEvent(Stage.PREFILL, "finished", 1.0, {"num_prompt_tokens": "30"}))
     made = chunks.opening(0) + chunks.add(TokenStep([5], "a")) + chunks.add(TokenStep([6, 7], "bc", "stop"))
     made += chunks.finish(_summary("abc", [5, 6, 7]))
-    assert [c["usage"]["completion_tokens"] for c in made] == [0, 1, 3, 3, 3]  # role, a, bc, finish, usage
-    assert [c["usage"]["total_tokens"] for c in made] == [30, 31, 33, 33, 33]
+    assert [c["usage"]["completion_tokens"] for c in made] == [0, 1, 3, 3]  # role, a, bc (its end), usage
+    assert [c["usage"]["total_tokens"] for c in made] == [30, 31, 33, 33]
     assert made[-1]["choices"] == [] and made[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert chunks.num_tokens == 3
 
@@ -63,31 +65,25 @@ def test_continuous_usage_is_the_usage_when_each_chunk_is_made():
 def test_include_usage_alone_puts_null_usage_on_every_chunk_but_the_last_and_no_option_none():
     plain = _chat(stream_options={"include_usage": True})
     made = plain.opening(0) + plain.add(TokenStep([5], "a", "stop")) + plain.finish(_summary("a", [5]))
-    assert [c["usage"] for c in made[:-1]] == [None, None, None] and made[-1]["usage"][
-        "completion_tokens"
-    ] == 1
+    assert [c["usage"] for c in made[:-1]] == [None, None] and made[-1]["usage"]["completion_tokens"] == 1
     bare = _chat()
     made = bare.opening(0) + bare.add(TokenStep([5], "a", "stop")) + bare.finish(_summary("a", [5]))
-    assert all("usage" not in c for c in made) and len(made) == 3
+    assert all("usage" not in c for c in made) and len(made) == 2
 
 
 def test_a_choice_finishing_first_ends_at_once_and_the_last_carries_the_summary():
     chunks = _chat(n=2)
     first = chunks.add(TokenStep([5], "red", "length", index=1))
-    assert [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in first] == [
-        (1, None),
-        (1, "length"),
-    ]
-    assert "epd" not in first[-1]
-    assert [
-        c["choices"][0]["finish_reason"] for c in chunks.add(TokenStep([6], "blue", "stop", index=0))
-    ] == [None]
+    # its last token's chunk carries its finish reason, as vLLM's
+    assert [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in first] == [(1, "length")]
+    assert first[0]["choices"][0]["delta"] == {"content": "red"} and "epd" not in first[-1]
+    assert chunks.add(TokenStep([6], "blue", "stop", index=0)) == []  # held for the summary
     summary = _summary(
         "blue", [6], [ChoiceSummary(0, "blue", [6], "stop"), ChoiceSummary(1, "red", [5], "length")]
     )
     end = chunks.finish(summary)
     assert [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in end] == [(0, "stop")]
-    assert end[0]["epd"]["request_id"] == "req-1"
+    assert end[0]["choices"][0]["delta"] == {"content": "blue"} and end[0]["epd"]["request_id"] == "req-1"
 
 
 def test_a_completions_echo_sets_where_the_answers_text_offsets_begin():
@@ -114,6 +110,85 @@ def test_a_named_tools_arguments_stream_as_tool_call_deltas():
     assert calls[0]["function"] == {"name": "get_weather", "arguments": ""}
     assert "".join(d["function"]["arguments"] for d in calls) == '{"city": "Paris"}'
     assert [c["choices"][0]["finish_reason"] for c in made][-1] == "stop"  # named: vLLM's "stop"
+
+
+def test_the_end_of_sequence_tokens_step_is_the_finish_chunk_not_a_chunk_before_it():
+    """vLLM puts the finish reason on the chunk of the choice's last token: the end-of-sequence
+    step (no text) is that chunk, not an empty-content chunk followed by a finish chunk."""
+    chunks = _chat(return_token_ids=True)
+    made = chunks.add(TokenStep([5], "a")) + chunks.add(TokenStep([2], "", "stop"))
+    made += chunks.finish(_summary("a", [5, 2]))
+    assert [(c["choices"][0]["delta"], c["choices"][0]["finish_reason"]) for c in made] == [
+        ({"content": "a"}, None),
+        ({"content": ""}, "stop"),  # vLLM's delta without a parser
+    ]
+    assert [c["choices"][0]["token_ids"] for c in made] == [[5], [2]] and "epd" in made[-1]
+
+
+def test_token_ids_only_with_return_token_ids_and_never_with_the_reasoning_left_out():
+    """vLLM's `return_token_ids`: the chunks list their tokens' ids only when asked; a thinking
+    answer whose reasoning is left out shows none (they would show it), as vLLM hides them."""
+
+    def ids(chunks: ChatChunks) -> list:
+        made = chunks.add(TokenStep([5], "a")) + chunks.add(TokenStep([6], "b", "stop"))
+        made += chunks.finish(_summary("ab", [5, 6]))
+        return [c["choices"][0].get("token_ids") for c in made]
+
+    assert ids(_chat()) == [None, None]
+    assert ids(_chat(return_token_ids=True)) == [[5], [6]]
+    assert ids(_completion(return_token_ids=True)) == [[5], [6]]
+    assert ids(_completion()) == [None, None]
+    assert ids(_chat(False, return_token_ids=True, include_reasoning=False)) == [None, None]
+
+
+def test_a_step_a_parser_holds_back_makes_no_chunk_unless_it_carries_ids_or_logprobs():
+    """A step whose text the reasoning parser holds back (here a marker's start) has nothing to
+    say: vLLM sends no chunk for it, unless the chunk carries token ids asked for or logprobs."""
+
+    def made(**body) -> list:
+        chunks = _chat(True, **body)
+        lp = [TokenLogprob(6, "</", -0.5)] if body.get("logprobs") else None
+        return chunks.add(TokenStep([5], "hm")) + chunks.add(TokenStep([6], "</", logprobs=lp))
+
+    assert [c["choices"][0]["delta"] for c in made()] == [{"reasoning": "hm", "reasoning_content": "hm"}]
+    assert [c["choices"][0]["token_ids"] for c in made(return_token_ids=True)] == [[5], [6]]
+    assert len(made(logprobs=True)) == 2
+
+
+def test_a_held_back_final_steps_finish_rides_on_its_parsers_tail_not_an_empty_chunk():
+    """The final step's text all held back (a marker's possible start) makes no empty chunk of
+    its own: the tail its parser gives back at the end carries the finish reason."""
+    chunks = _chat(True)
+    made = chunks.add(TokenStep([5], "hm")) + chunks.add(TokenStep([6], "</thi", "length"))
+    made += chunks.finish(_summary("hm</thi", [5, 6], [ChoiceSummary(0, "hm</thi", [5, 6], "length")]))
+    assert [(c["choices"][0]["delta"].get("reasoning"), c["choices"][0]["finish_reason"]) for c in made] == [
+        ("hm", None),
+        ("</thi", "length"),
+    ]
+
+
+def test_an_echo_alone_lists_its_generated_tokens_id_as_the_whole_answer_does():
+    """A completion's echo with max_tokens 0 generates one token (vLLM's): the stream's chunks
+    list its id, as the whole answer's `token_ids` does, when return_token_ids asks."""
+    chunks = _completion(echo=True, max_tokens=0, return_token_ids=True)
+    echo = chunks.echo(0)
+    assert echo is not None and echo["choices"][0]["text"] == "name a colour"
+    made = [echo, *chunks.add(TokenStep([5], " red", "length"))]
+    made += chunks.finish(_summary(" red", [5]))
+    assert [c["choices"][0]["text"] for c in made] == ["name a colour", ""]
+    assert [t for c in made for t in c["choices"][0].get("token_ids", [])] == [5]
+    whole = text_completion_body(_summary(" red", [5]), chunks.chat)
+    assert whole["choices"][0]["token_ids"] == [5] and whole["choices"][0]["text"] == "name a colour"
+
+
+def test_a_failure_before_the_summary_still_sends_the_held_back_last_tokens():
+    """The last choice's final step waits for the summary (its chunk carries it); when the answer
+    fails before the summary, the writer sends that step's text before the error event."""
+    chunks = _chat()
+    assert chunks.add(TokenStep([5], "a", "stop")) == []
+    (cut,) = chunks.cut()
+    assert cut["choices"][0]["delta"] == {"content": "a"} and cut["choices"][0]["finish_reason"] is None
+    assert chunks.cut() == []
 
 
 def test_the_chunks_module_needs_no_http_server():

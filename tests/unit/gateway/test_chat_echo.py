@@ -63,7 +63,9 @@ def summary(answer: str = " red", token_ids: tuple[int, ...] = (5, 6)) -> AskSum
 def test_the_echoed_text_is_the_last_messages_when_its_role_is_the_answers(body, role, echoed):
     request = parse(**body)
     assert (request.response_role, request.echoed_text) == (role, echoed)
-    whole = completion_body(summary(), MODEL, role=request.response_role, echoed=request.echoed_text)
+    whole = completion_body(
+        summary(), MODEL, role=request.response_role, echoed=request.echoed_text, return_token_ids=True
+    )
     assert whole["choices"][0]["message"] == {"role": role, "content": echoed + " red"}
     # Usage and the token ids are the generated ones alone, as vLLM's.
     assert whole["usage"]["completion_tokens"] == 2 and whole["choices"][0]["token_ids"] == [5, 6]

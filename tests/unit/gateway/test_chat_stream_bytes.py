@@ -102,6 +102,18 @@ NAMED_CALL = [
     TokenStep([6], '"Paris"}', finish_reason="stop"),
     _summary('{"city": "Paris"}', [5, 6]),
 ]
+END_OF_SEQUENCE = [
+    PREFILL,
+    TokenStep([5], "a"),
+    TokenStep([2], "", finish_reason="stop"),
+    _summary("a", [5, 2]),
+]
+ECHO_ALONE = [
+    PREFILL,
+    PromptLogprobs(PROMPT_LOGPROBS),
+    TokenStep([5], " red", finish_reason="length", logprobs=[_lp(5, " red", -0.5)]),
+    _summary(" red", [5], finish="length", logprobs=[_lp(5, " red", -0.5)], prompt_logprobs=PROMPT_LOGPROBS),
+]
 USER = {"role": "user", "content": "name a colour"}
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 USAGE = {"include_usage": True}
@@ -142,11 +154,23 @@ SCENARIOS: dict[str, tuple[HttpApiConfig, str, dict, _Script]] = {
         {"messages": [USER], "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
         _Script(NAMED_CALL),
     ),
+    "chat, the end-of-sequence token's step, usage": (
+        HttpApiConfig(port=0),
+        "/v1/chat/completions",
+        {"messages": [USER], "stream_options": USAGE},
+        _Script(END_OF_SEQUENCE),
+    ),
     "chat, an error after the first token": (
         HttpApiConfig(port=0),
         "/v1/chat/completions",
         {"messages": [USER]},
         _Script(ANSWER[:2], broken_stream("decode", 1, "req-1")),
+    ),
+    "chat, an error after the last token's step, before the summary": (
+        HttpApiConfig(port=0),
+        "/v1/chat/completions",
+        {"messages": [USER]},
+        _Script(ANSWER[:3], broken_stream("decode", 3, "req-1")),
     ),
     "responses, reasoning and a tool call": (
         THINKING_TOOLS,
@@ -167,6 +191,18 @@ SCENARIOS: dict[str, tuple[HttpApiConfig, str, dict, _Script]] = {
         {"prompt": "name a colour", "n": 2, "echo": True, "logprobs": 1,
          "stream_options": {**USAGE, "continuous_usage_stats": True}},
         _Script(TWO_COMPLETIONS),
+    ),
+    "completion, echo alone (max_tokens 0), token ids": (
+        HttpApiConfig(port=0),
+        "/v1/completions",
+        {"prompt": "name a colour", "echo": True, "max_tokens": 0, "logprobs": 1, "return_token_ids": True},
+        _Script(ECHO_ALONE),
+    ),
+    "completion, the end-of-sequence token's step": (
+        HttpApiConfig(port=0),
+        "/v1/completions",
+        {"prompt": "name a colour"},
+        _Script(END_OF_SEQUENCE),
     ),
     "completion, token ids, usage": (
         HttpApiConfig(port=0),

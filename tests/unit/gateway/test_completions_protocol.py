@@ -112,7 +112,7 @@ def test_streaming_echo_and_usage_options():
 
 def test_the_answer_is_a_text_completion_with_its_stop_reason():
     summary = AskSummary("r1", " there", [5, 6], "stop", 0, 0, 3, {}, 0, False, "", [], stop_reason="\n")
-    body = text_completion_body(summary, parse(prompt="hi", echo=True), created=1)
+    body = text_completion_body(summary, parse(prompt="hi", echo=True, return_token_ids=True), created=1)
     assert body["id"] == "cmpl-r1" and body["object"] == "text_completion" and body["model"] == "m"
     assert body["choices"] == [
         {

@@ -196,6 +196,22 @@ def test_retrieve_model_names_the_served_model_or_404():
 
     (served, other, slashed), _ = asyncio.run(_requests("", calls))
     assert served[0] == 200 and served[1]["id"] == "epd" and served[1]["object"] == "model"
+    # vLLM's ModelCard fields: root (its weights' path there, the served name here), parent, permission
+    card = served[1]
+    assert (card["root"], card["parent"], card["owned_by"]) == ("epd", None, "epd")
+    (permission,) = card["permission"]
+    assert permission["id"].startswith("modelperm-") and permission["object"] == "model_permission"
+    assert {k: v for k, v in permission.items() if k not in ("id", "object", "created")} == {
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
     assert other[0] == 404 and "model 'other' is not served here" in other[1]["error"]["message"]
     assert slashed[0] == 404 and "model 'org/name'" in slashed[1]["error"]["message"]
 
@@ -412,7 +428,7 @@ def test_an_error_before_the_first_token_keeps_its_status_unless_a_keep_alive_we
     assert json.loads(events[-2])["error"]["code"] == 429
 
 
-def _stream_chunks(stream_options: dict) -> list:
+def _stream_chunks(stream_options: dict, **fields) -> list:
     content = [
         {"type": "text", "text": "q"},
         {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
@@ -421,6 +437,7 @@ def _stream_chunks(stream_options: dict) -> list:
         "messages": [{"role": "user", "content": content}],
         "stream": True,
         "stream_options": stream_options,
+        **fields,
     }
 
     events = [
@@ -554,9 +571,9 @@ def test_a_body_refused_for_one_of_its_fields_is_answered_under_the_id_it_names(
     assert answer_headers["x-request-id"] == "body-id-2"
 
 
-def test_the_answers_token_ids_are_on_its_choice_streamed_or_not():
-    """A streamed chunk's choice carried its `token_ids` (vLLM's place, with its `return_token_ids`),
-    but a whole answer's choice had none: only `epd.token_ids` held them."""
+def test_the_answers_token_ids_are_on_its_choices_only_when_asked_streamed_or_not():
+    """vLLM's `return_token_ids`: each choice lists its tokens' ids, whole or streamed (each chunk
+    its step's); without it neither does (every streamed chunk had them), only `epd.token_ids`."""
     import json
 
     content = [
@@ -566,8 +583,11 @@ def test_the_answers_token_ids_are_on_its_choice_streamed_or_not():
     body = {"messages": [{"role": "user", "content": content}], "return_token_ids": True}
     answer = json.loads(_post_chat(_ScriptedPipeline(), body))
     assert answer["choices"][0]["token_ids"] == [5, 6, 7] == answer["epd"]["token_ids"]
-    streamed = _stream_chunks({})
+    streamed = _stream_chunks({}, return_token_ids=True)
     assert [t for c in streamed for t in c["choices"][0].get("token_ids", [])] == [5, 6, 7]
+    plain = json.loads(_post_chat(_ScriptedPipeline(), {**body, "return_token_ids": False}))
+    assert "token_ids" not in plain["choices"][0] and plain["epd"]["token_ids"] == [5, 6, 7]
+    assert not [c for c in _stream_chunks({}) if c["choices"] and "token_ids" in c["choices"][0]]
 
 
 class _ModelLoadFailsPipeline(Pipeline):
