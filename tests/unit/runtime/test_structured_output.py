@@ -47,7 +47,6 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def compiler(tokenizer):
     compiler = GrammarCompiler(tokenizer, VOCAB, {tokenizer.eos_token_id})
-    compiler.prepare()  # xgrammar's native threads start here, not in the first test that compiles
     yield compiler
     compiler.close()
 
