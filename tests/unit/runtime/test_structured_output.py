@@ -275,6 +275,10 @@ def test_a_constraint_after_the_reasoning_needs_the_think_markers(compiler):
 SLOW_REGEX = "[a-z]*" * 3000
 """Compiles for about 1.4 s on the shipped vocabulary (2-core VM): xgrammar's states multiply."""
 
+SLOWER_REGEX = "[a-z]*" * 5000
+"""About 4 s (2-core VM, loaded), for a test that needs its compile past a 0.5 s deadline
+whatever the load: SLOW_REGEX's took under 0.5 s on a quiet machine."""
+
 CLOSE_WAIT_S = 120.0
 """How long a test's compiler, closing, waits for the compiles it left running past their deadline."""
 
@@ -356,10 +360,10 @@ def test_a_compile_whose_request_went_away_still_has_its_deadline(tokenizer, new
     leaves the thread to it, and the spec is remembered as too slow."""
     compiler = new_compiler(tokenizer)
     compiler.prepare()
-    # Slower than SLOW_REGEX (about 4 s here): asked again below while its abandoned compile still
-    # runs. One that has finished by then is served from the cache instead (as it should be), which
-    # SLOW_REGEX's 1.4 s (less on a quiet machine) did not rule out.
-    slow = StructuredOutputs(regex="[a-z]*" * 5000 + "z")
+    # Slower than SLOW_REGEX: asked again below while its abandoned compile still runs. One that has
+    # finished by then is served from the cache instead (as it should be), which SLOW_REGEX's 1.4 s
+    # (less on a quiet machine) did not rule out.
+    slow = StructuredOutputs(regex=SLOWER_REGEX + "z")
 
     async def run() -> None:
         task = asyncio.ensure_future(compiler.compile(slow, timeout_s=0.5))
@@ -412,7 +416,9 @@ def test_a_slow_spec_whose_compile_finished_is_served_from_the_cache(tokenizer, 
     has finished (xgrammar cached it), asking again under the same deadline is served."""
     compiler = new_compiler(tokenizer)
     compiler.prepare()
-    slow = StructuredOutputs(regex=SLOW_REGEX + "c")
+    # past its deadline whatever the load (SLOW_REGEX's compile took under 0.5 s on a quiet machine,
+    # once no compile left running by the tests before kept a core busy)
+    slow = StructuredOutputs(regex=SLOWER_REGEX + "c")
 
     async def run() -> None:
         with pytest.raises(InvalidConstraint, match="took longer than 0.5 s"):
