@@ -22,8 +22,9 @@ cannot be stopped from outside). The threads compared are those running when the
 fixtures are set up, after its module and session fixtures, so a wider fixture's threads are
 never the test's; the few that run once per process by design are listed in ALLOWED_THREADS.
 What a module or session fixture made or started, at its set-up or through its object during a
-test (an SDK client opens its channel at its first call), is that fixture's to close: checked
-when the run ends (`leftovers`). A channel dropped without close() counts as left open: grpc
+test (an SDK client opens its channel at its first call), or a thread that one of its threads
+started during a test (a server's event loop starting its default executor), is that fixture's
+to close: checked when the run ends (`leftovers`). A channel dropped without close() counts as left open: grpc
 closes an asyncio one when it is collected, whenever a reference cycle lets that happen, and a
 sync one's `__del__` does not close it.
 
@@ -333,8 +334,9 @@ def _install_thread_start() -> None:
 
     def start(self):
         # a thread started by a thread: where that one was started too, back to the test
-        parent = getattr(threading.current_thread(), "_leak_check_started_at", ())
-        self._leak_check_started_at = parent + _stack(skip=1)
+        parent = threading.current_thread()
+        self._leak_check_started_at = getattr(parent, "_leak_check_started_at", ()) + _stack(skip=1)
+        self._leak_check_parent = weakref.ref(parent)
         return original(self)
 
     start._leak_check = True  # type: ignore[attr-defined]
@@ -431,6 +433,20 @@ def threads_left(before: set[threading.Thread]) -> list[str]:
         [t for t in _python_threads() if t not in before and not _allowed(t)], set()
     )
     return sorted(t.name for t in alive)
+
+
+def _started_by_older(thread: threading.Thread, before: set[threading.Thread]) -> bool:
+    """Whether `thread` was started, itself or through the threads that started it, by a thread
+    (not the main one) already running before the test: a wider fixture's thread, as a server's
+    event loop whose default executor starts its threads at the first call, in some test."""
+    parent_ref = getattr(thread, "_leak_check_parent", None)
+    while parent_ref is not None and (parent := parent_ref()) is not None:
+        if parent is threading.main_thread():
+            return False
+        if parent in before:
+            return True
+        parent_ref = getattr(parent, "_leak_check_parent", None)
+    return False
 
 
 def _runs_method_of(thread: threading.Thread) -> object | None:
@@ -539,7 +555,8 @@ def check_test(scope: TestScope, wider_fixtures: Callable[[], list[Any]]) -> lis
             _kill(pid)
     for thread in threads:
         owner = _runs_method_of(thread)
-        if id(thread) in owned_objects or (owner is not None and id(owner) in owned_objects):
+        owned = id(thread) in owned_objects or (owner is not None and id(owner) in owned_objects)
+        if owned or _started_by_older(thread, scope.threads):
             # the fixture's: it must end it by the end of the run
             _fixture_threads.append((weakref.ref(thread), _describe_thread(thread)))
         else:

@@ -73,6 +73,30 @@ def module_thread():
     stop.set()
 
 
+@pytest.fixture(scope="module")
+def on_fixture_loop():
+    """Runs a call through the default executor of a module fixture's loop thread (the executor
+    starts its threads at the first call, in a test); yields a function, which reaches no thread."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="fixture-loop", daemon=True)
+    thread.start()
+
+    def run(fn):
+        async def call():
+            return await asyncio.get_running_loop().run_in_executor(None, fn)
+
+        return asyncio.run_coroutine_threadsafe(call(), loop).result(10)
+
+    yield run
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
+    loop.close()  # shuts its default executor down
+
+
+def test_a_module_fixtures_loop_starts_its_executor(on_fixture_loop):
+    assert on_fixture_loop(int) == 0  # started by the fixture's loop thread: the fixture's
+
+
 def test_a_module_fixtures_object_opens_a_channel(closes_its_channel, leaves_its_channel_open):
     closes_its_channel.use()  # the fixture's to close: not this test's leak
     leaves_its_channel_open.use()  # nor this, but the fixture never closes it: named at the end
@@ -179,7 +203,7 @@ def test_the_test_that_leaks_fails_and_says_what_it_left(tmp_path):
     )
     out = run.stdout + run.stderr
     assert run.returncode == 1, out
-    assert "10 passed, 5 errors" in out, out  # each leaky test passes, then errors at its teardown
+    assert "11 passed, 5 errors" in out, out  # each leaky test passes, then errors at its teardown
     errors = {
         line.split(" - ")[0].removeprefix("ERROR test_leaky.py::").split()[0]: line
         for line in out.splitlines()
@@ -199,6 +223,7 @@ def test_the_test_that_leaks_fails_and_says_what_it_left(tmp_path):
     thread = out.split("thread 'leaky-worker' running test_leaky.spin_forever, still running")[1]
     assert "in test_thread_left_running" in thread.split("\n\n")[0], out  # where it was started
     assert "ending-worker" not in out and "module-fixture-thread" not in out and "logged-pool" not in out, out
+    assert "asyncio_0" not in out, out  # the fixture's loop's executor, ended by its teardown
     # where it was made
     assert "test_leaky.py" in out.split("grpc channel to 127.0.0.1:1")[1].split("\n\n")[0]
     fixtures = out.split("by module or session fixtures, at the end of the run:")[1]
