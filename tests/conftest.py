@@ -27,15 +27,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _no_leaks(request):
-    """Fails the test that leaves a gRPC channel open, a gRPC server serving or a child process
-    running (see tests/leak_check.py; EPD_LEAK_CHECK=off|report). Autouse at the root, so it is
-    set up after the module and session fixtures and torn down after the test's own ones."""
+def _no_leaks(request, caplog):
+    """Fails the test that leaves a gRPC channel open, a gRPC server serving, a child process or a
+    thread running (see tests/leak_check.py; EPD_LEAK_CHECK=off|report). Autouse at the root, so it
+    is set up after the module and session fixtures (their threads are running when it takes its
+    snapshot: not the test's) and torn down after the test's own ones."""
     if leak_check.MODE == "off":
         yield
         return
     scope = leak_check.begin_test()
     yield
+    leak_check.release_logged_errors([*caplog.get_records("setup"), *caplog.get_records("call")])
     leaks = leak_check.check_test(scope, lambda: _wider_fixture_values(request))
     if leaks:
         _leak_reports.append((request.node.nodeid, leaks))

@@ -426,9 +426,11 @@ def health_servers():
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
     servers = []
+    pools = []
 
     def serve() -> int:
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        pools.append(futures.ThreadPoolExecutor(max_workers=2))
+        server = grpc.server(pools[-1])
         servicer = health.HealthServicer()
         servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
@@ -440,6 +442,8 @@ def health_servers():
     yield serve
     for server in servers:
         server.stop(None)
+    for pool in pools:  # the server's stop leaves its pool's threads to their owner
+        pool.shutdown()
 
 
 @pytest.fixture

@@ -541,14 +541,16 @@ def test_prefill_keeps_its_copy_until_the_first_token_is_out(adapter, thread):
     assert len(store) == 0 and store.num_confirmed == 1, "confirmed once the first token was out"
 
 
-def test_a_batch_where_one_request_has_a_structured_output_constraint(adapter, thread, monkeypatch):
+def test_a_batch_where_one_request_has_a_structured_output_constraint(adapter, thread, monkeypatch, request):
     """Two requests share every step, one under a constraint (letters and spaces, never ending):
     the constrained row's tokens are those it decodes alone under it, all letters and spaces; the
     other row's are its plain greedy tokens alone (a constraint in the batch changes nothing
     for it)."""
     from epd.model_runtime.sampling import StructuredOutputs
-    from epd.model_runtime.structured_output import grammar_compiler
+    from epd.model_runtime.structured_output import close_compiler, grammar_compiler
 
+    # the stage compiles on the adapter's compiler's thread, as a decode service's does: closed as its server closes it
+    request.addfinalizer(lambda: close_compiler(adapter, wait_s=HANG_GUARD_S))
     spec = StructuredOutputs(grammar="root ::= [a-z ] root")
     grammar = grammar_compiler(adapter).compile_now(spec)
     letter = adapter.tokenizer.encode("a")[0]  # prefill's token under the constraint

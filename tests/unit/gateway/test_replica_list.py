@@ -181,11 +181,14 @@ def silent_replica() -> Iterator[tuple[str, threading.Event]]:
                 held.append(listener.accept()[0])
                 accepted.set()
 
-    threading.Thread(target=accept, daemon=True).start()
+    acceptor = threading.Thread(target=accept, name="silent-replica", daemon=True)
+    acceptor.start()
     try:
         yield f"127.0.0.1:{listener.getsockname()[1]}", accepted
     finally:
+        listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (a close alone leaves it waiting)
         listener.close()
+        acceptor.join()
         for conn in held:
             conn.close()
 

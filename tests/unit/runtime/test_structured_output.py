@@ -46,7 +46,9 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def compiler(tokenizer):
-    return GrammarCompiler(tokenizer, VOCAB, {tokenizer.eos_token_id})
+    compiler = GrammarCompiler(tokenizer, VOCAB, {tokenizer.eos_token_id})
+    yield compiler
+    compiler.close()
 
 
 def test_greedy_picks_the_best_token_the_constraint_allows(tokenizer, compiler):
@@ -273,12 +275,35 @@ def test_a_constraint_after_the_reasoning_needs_the_think_markers(compiler):
 SLOW_REGEX = "[a-z]*" * 3000
 """Compiles for about 1.4 s on the shipped vocabulary (2-core VM): xgrammar's states multiply."""
 
+SLOWER_REGEX = "[a-z]*" * 5000
+"""About 4 s (2-core VM, loaded), for a test that needs its compile past a 0.5 s deadline
+whatever the load: SLOW_REGEX's took under 0.5 s on a quiet machine."""
 
-def test_a_spec_that_compiles_for_too_long_is_refused_and_others_go_on(tokenizer):
+CLOSE_WAIT_S = 120.0
+"""How long a test's compiler, closing, waits for the compiles it left running past their deadline."""
+
+
+@pytest.fixture
+def new_compiler():
+    """`new_compiler(tokenizer[, vocab])`: a GrammarCompiler closed at the test's end, waiting for
+    the compiles left running past their deadline (xgrammar's cannot be stopped: each kept its
+    thread and a core busy into the next tests)."""
+    made: list[GrammarCompiler] = []
+
+    def new(tokenizer, vocab: int = VOCAB) -> GrammarCompiler:
+        made.append(GrammarCompiler(tokenizer, vocab, {tokenizer.eos_token_id}))
+        return made[-1]
+
+    yield new
+    for compiler in made:
+        compiler.close(wait_s=CLOSE_WAIT_S)
+
+
+def test_a_spec_that_compiles_for_too_long_is_refused_and_others_go_on(tokenizer, new_compiler):
     """The deadline refuses it with what to do; the compile it cannot stop runs on elsewhere, so
     the next spec compiles on a fresh thread at once; the slow spec asked again is refused without
     another compile."""
-    compiler = GrammarCompiler(tokenizer, VOCAB, {tokenizer.eos_token_id})
+    compiler = new_compiler(tokenizer)
     compiler.prepare()
 
     async def run() -> None:
@@ -296,8 +321,8 @@ def test_a_spec_that_compiles_for_too_long_is_refused_and_others_go_on(tokenizer
     asyncio.run(run())
 
 
-def test_compiles_queued_behind_one_that_ran_past_its_deadline_are_compiled(tokenizer):
-    compiler = GrammarCompiler(tokenizer, VOCAB, {tokenizer.eos_token_id})
+def test_compiles_queued_behind_one_that_ran_past_its_deadline_are_compiled(tokenizer, new_compiler):
+    compiler = new_compiler(tokenizer)
     compiler.prepare()
 
     async def run() -> list[object]:
@@ -310,10 +335,12 @@ def test_compiles_queued_behind_one_that_ran_past_its_deadline_are_compiled(toke
     assert all(not isinstance(q, BaseException) for q in queued), queued
 
 
-def test_a_slow_spec_is_remembered_whether_or_not_it_waits_for_the_reasoning(thinking_tokenizer):
+def test_a_slow_spec_is_remembered_whether_or_not_it_waits_for_the_reasoning(
+    thinking_tokenizer, new_compiler
+):
     """The same grammar compiles as slowly under a reasoning parser (a chat request's) as from the
     first token (the SDK's): asked both ways, one compile is left running, not two."""
-    compiler = GrammarCompiler(thinking_tokenizer, len(thinking_tokenizer), {thinking_tokenizer.eos_token_id})
+    compiler = new_compiler(thinking_tokenizer, len(thinking_tokenizer))
     compiler.prepare()
 
     async def run() -> None:
@@ -326,17 +353,17 @@ def test_a_slow_spec_is_remembered_whether_or_not_it_waits_for_the_reasoning(thi
     asyncio.run(run())
 
 
-def test_a_compile_whose_request_went_away_still_has_its_deadline(tokenizer):
+def test_a_compile_whose_request_went_away_still_has_its_deadline(tokenizer, new_compiler):
     """A client that goes away while its spec compiles (a cancelled await) left the compile on the
     compiler's one thread with no deadline: every later spec waited behind it, however long it ran
     (a pathological spec sent and dropped, again and again, held them all). Its deadline still
     leaves the thread to it, and the spec is remembered as too slow."""
-    compiler = GrammarCompiler(tokenizer, VOCAB, {tokenizer.eos_token_id})
+    compiler = new_compiler(tokenizer)
     compiler.prepare()
-    # Slower than SLOW_REGEX (about 4 s here): asked again below while its abandoned compile still
-    # runs. One that has finished by then is served from the cache instead (as it should be), which
-    # SLOW_REGEX's 1.4 s (less on a quiet machine) did not rule out.
-    slow = StructuredOutputs(regex="[a-z]*" * 5000 + "z")
+    # Slower than SLOW_REGEX: asked again below while its abandoned compile still runs. One that has
+    # finished by then is served from the cache instead (as it should be), which SLOW_REGEX's 1.4 s
+    # (less on a quiet machine) did not rule out.
+    slow = StructuredOutputs(regex=SLOWER_REGEX + "z")
 
     async def run() -> None:
         task = asyncio.ensure_future(compiler.compile(slow, timeout_s=0.5))
@@ -353,12 +380,14 @@ def test_a_compile_whose_request_went_away_still_has_its_deadline(tokenizer):
     asyncio.run(run())
 
 
-def test_compiles_left_running_are_bounded_and_past_that_new_specs_are_refused_to_retry(tokenizer):
+def test_compiles_left_running_are_bounded_and_past_that_new_specs_are_refused_to_retry(
+    tokenizer, new_compiler
+):
     """Each compile that runs past its deadline keeps a thread (and a core) to its end: past
     MAX_ABANDONED_COMPILES of them still running, a spec that needs compiling is refused at once
     (RESOURCE_EXHAUSTED to retry later, `retry_after_s`), and no thread is started for it; a spec
     compiled before (in xgrammar's cache) is still served."""
-    compiler = GrammarCompiler(tokenizer, VOCAB, {tokenizer.eos_token_id})
+    compiler = new_compiler(tokenizer)
     compiler.prepare()
     known = StructuredOutputs(regex="(red|blue) k")
 
@@ -382,12 +411,14 @@ def test_compiles_left_running_are_bounded_and_past_that_new_specs_are_refused_t
     asyncio.run(run())
 
 
-def test_a_slow_spec_whose_compile_finished_is_served_from_the_cache(tokenizer):
+def test_a_slow_spec_whose_compile_finished_is_served_from_the_cache(tokenizer, new_compiler):
     """The spec refused as too slow is remembered only while its compile runs: once that compile
     has finished (xgrammar cached it), asking again under the same deadline is served."""
-    compiler = GrammarCompiler(tokenizer, VOCAB, {tokenizer.eos_token_id})
+    compiler = new_compiler(tokenizer)
     compiler.prepare()
-    slow = StructuredOutputs(regex=SLOW_REGEX + "c")
+    # past its deadline whatever the load (SLOW_REGEX's compile took under 0.5 s on a quiet machine,
+    # once no compile left running by the tests before kept a core busy)
+    slow = StructuredOutputs(regex=SLOWER_REGEX + "c")
 
     async def run() -> None:
         with pytest.raises(InvalidConstraint, match="took longer than 0.5 s"):
