@@ -291,8 +291,8 @@ def test_process_pool_variant_of_the_benchmark_returns_the_reference_frames(vide
 def test_tasks_take_their_share_in_order_then_steal_from_the_back(video_factory):
     """Work stealing bookkeeping: a task takes its own share front to back, then the pending
     intervals of the other shares from the back; every interval is handed out exactly once."""
+    from epd.video.decode_request import _Request
     from epd.video.keyframe_index import build_video_index
-    from epd.video.parallel_decoder import _Request
     from epd.video.plan import make_plan
 
     data = video_factory(".mp4", codec="h264", size=(96, 64), fps=10.0, seconds=6.0, gop=10)
@@ -455,7 +455,7 @@ def test_a_worker_seeking_back_to_the_first_interval_lands_at_the_start(video_fa
     from epd.video.budget import DecodeBudget
     from epd.video.keyframe_index import build_video_index
     from epd.video.media_open import open_video
-    from epd.video.parallel_decoder import _seek
+    from epd.video.share_decode import _seek
 
     data = video_factory(".ts", container="mpegts", codec="h264", bframes=3, **SMALL)
     index = build_video_index(data)
