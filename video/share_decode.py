@@ -1,8 +1,8 @@
 """One worker's decode of its share of a request (`_decode_share`): one container for all the
 share's intervals, a seek to each interval's keyframe or a decode forward through a short gap,
 non-reference frames that are not targets skipped (H.264/HEVC), each target written into the
-request's output. `bench/process_decoder.py` runs the same loop in processes. A request's life:
-`epd.video.parallel_decoder`."""
+request's output. `bench/process_decoder.py` runs these pieces (`_seek`, `_decode_iter`) in
+processes instead. A request's life: `epd.video.parallel_decoder`."""
 
 from __future__ import annotations
 
