@@ -2,11 +2,12 @@
 
 Issue #3 asks whether decode workers should be threads or processes. The served decoder
 (`epd.video.parallel_decoder`) uses threads; this runs the same plan and the same per-share decode
-loop (`_seek` / `_decode_iter`, non-reference skipping included) in a pool of spawned processes,
-in the best case for processes: the video bytes go to the workers once through shared memory, and
-each worker writes its frames straight into a shared output array (nothing is pickled but the
-plan). The pool is created once and reused, as the thread pool is, so process start-up is not
-counted; what is counted is the index, the plan, the two shared-memory copies and the decoding.
+loop (`_seek` / `_decode_iter` of `epd.video.share_decode`, non-reference skipping included) in a
+pool of spawned processes, in the best case for processes: the video bytes go to the workers once
+through shared memory, and each worker writes its frames straight into a shared output array
+(nothing is pickled but the plan). The pool is created once and reused, as the thread pool is, so
+process start-up is not counted; what is counted is the index, the plan, the two shared-memory
+copies and the decoding.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import numpy as np
 from epd.video.budget import DecodeBudget
 from epd.video.keyframe_index import VideoIndex, build_video_index, probe_rotation
 from epd.video.media_open import open_video
-from epd.video.parallel_decoder import _NONREF_SKIP_CODECS, _decode_iter, _seek
 from epd.video.plan import make_plan
+from epd.video.share_decode import _NONREF_SKIP_CODECS, _decode_iter, _seek
 from epd.video.simple_decoder import frame_to_rgb, scaled_size
 from epd.video.types import DecodeLimits, SamplingOptions
 

@@ -288,28 +288,6 @@ def test_process_pool_variant_of_the_benchmark_returns_the_reference_frames(vide
         dec.close()
 
 
-def test_tasks_take_their_share_in_order_then_steal_from_the_back(video_factory):
-    """Work stealing bookkeeping: a task takes its own share front to back, then the pending
-    intervals of the other shares from the back; every interval is handed out exactly once."""
-    from epd.video.keyframe_index import build_video_index
-    from epd.video.parallel_decoder import _Request
-    from epd.video.plan import make_plan
-
-    data = video_factory(".mp4", codec="h264", size=(96, 64), fps=10.0, seconds=6.0, gop=10)
-    index = build_video_index(data)
-    opts = SamplingOptions(num_frames=6)
-    plan = make_plan(index, opts, 2, 0.0)
-    assert [len(s) for s in plan.shares] == [3, 3]
-    req = _Request(data, index, plan, opts, 0.0)
-    first = req.take(1)
-    assert first == plan.shares[1][0]
-    order = []
-    while (position := req.take(0)) is not None:
-        order.append(position)
-    assert order == plan.shares[0] + plan.shares[1][1:][::-1]
-    assert req.take(1) is None
-
-
 @pytest.mark.parametrize("kwargs", [dict(codec="h264"), dict(codec="hevc", pix_fmt="yuv420p10le")])
 @pytest.mark.parametrize("max_pixels", [None, 48 * 32])
 def test_frame_to_rgb_reuses_one_converter_with_pyav_own_pixels(video_factory, kwargs, max_pixels):
@@ -444,28 +422,6 @@ def test_running_out_of_memory_is_the_servers_limit_not_a_corrupt_file(video_fac
         monkeypatch.undo()
     # The decoder still serves the next request.
     assert decoder.decode(data, SamplingOptions(num_frames=6)).frames.shape[0] == 6
-
-
-def test_a_worker_seeking_back_to_the_first_interval_lands_at_the_start(video_factory):
-    """A worker that took a later interval first (its own share, or one stolen from another) seeks
-    back for the first one. Seeking to the first frame's own pts in MPEG-TS lands a GOP later, and
-    the back-off "to the start" sought that same pts again: the request failed as corrupt (about
-    1 decode in 1,500 of the auditor's MPEG-TS comparison, depending on which worker started
-    first). Here the seek is made directly, after decoding a later GOP."""
-    from epd.video.budget import DecodeBudget
-    from epd.video.keyframe_index import build_video_index
-    from epd.video.media_open import open_video
-    from epd.video.parallel_decoder import _seek
-
-    data = video_factory(".ts", container="mpegts", codec="h264", bframes=3, **SMALL)
-    index = build_video_index(data)
-    budget = DecodeBudget(DecodeLimits())
-    first_pts, last_key = int(index.frame_pts[0]), int(index.keyframe_pts[-1])
-    with open_video(data) as container:
-        stream = container.streams.video[0]
-        next(_seek(container, stream, index, last_key, last_key, None, budget))  # a later GOP first
-        frames = _seek(container, stream, index, int(index.keyframe_pts[0]), first_pts, None, budget)
-        assert next(frames).pts == first_pts
 
 
 def test_close_waits_once_for_all_stuck_workers(video_factory, monkeypatch):
