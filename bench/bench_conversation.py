@@ -269,12 +269,15 @@ def log_turns(label: str, out: dict[tuple[int, bool], Turn]) -> None:
 
 def server_command(model: Path, args) -> tuple[list[str], dict[str, str], int]:
     ports = {k: free_port() for k in ("gateway", "encoder", "prefill", "decode", "http")}
+    # --colocate has no stage servers: their ports would be refused as flags that do nothing.
+    stages = (
+        ["--colocate"]
+        if args.colocate
+        else [f"--{k}-port={ports[k]}" for k in ("encoder", "prefill", "decode")]
+    )
     cmd = [sys.executable, "-m", "epd.cli.main", "serve", "--model", str(model),
-           "--gateway-port", str(ports["gateway"]), "--encoder-port", str(ports["encoder"]),
-           "--prefill-port", str(ports["prefill"]), "--decode-port", str(ports["decode"]),
-           "--http-port", str(ports["http"]),
-           *(["--num-threads", args.threads] if args.threads else []),
-           *(["--colocate"] if args.colocate else []), *args.epd_arg]  # fmt: skip
+           "--gateway-port", str(ports["gateway"]), *stages, "--http-port", str(ports["http"]),
+           *(["--num-threads", args.threads] if args.threads else []), *args.epd_arg]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if args.threads.isdigit():
         env["OMP_NUM_THREADS"] = args.threads

@@ -307,6 +307,11 @@ def server_command(name: str, model: Path, args) -> tuple[list[str], dict[str, s
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if name.startswith("epd"):
         ports = {k: free_port() for k in ("gateway", "encoder", "prefill", "decode", "http")}
+        stage_ports = (
+            []
+            if name == "epd-colocate"
+            else [f"--{k}-port={ports[k]}" for k in ("encoder", "prefill", "decode")]
+        )
         cmd = [
             sys.executable,
             "-m",
@@ -320,12 +325,7 @@ def server_command(name: str, model: Path, args) -> tuple[list[str], dict[str, s
             "1" if name == "epd-t1" else str(args.epd_threads),
             "--gateway-port",
             str(ports["gateway"]),
-            "--encoder-port",
-            str(ports["encoder"]),
-            "--prefill-port",
-            str(ports["prefill"]),
-            "--decode-port",
-            str(ports["decode"]),
+            *stage_ports,  # none with --colocate, which has no stage servers
             "--http-port",
             str(ports["http"]),
             # One load client sends every request: lift the per-client limit above the sweep's top level.

@@ -96,11 +96,6 @@ def run_ask(args: argparse.Namespace) -> int:
         # not a server error out of the event loop (INTERNAL, exit 1).
         model = None if args.endpoint else configs.model_config(args)
         _check_generation(args, embedded=model is not None)
-        if args.endpoint and args.chat_template is not None:
-            raise ValueError(
-                "--chat-template sets the embedded model's template; a gateway's prompts render with "
-                "the template its prefill was started with (its --chat-template): leave it out with --endpoint"
-            )
         if args.prompt is not None and args.chat_template is not None:  # as --chat-template-kwargs
             raise ValueError("--chat-template renders a chat's prompt; --prompt has no template: drop one")
         prefill = None if model is None else configs.ask_prefill_config(args, model)
@@ -669,11 +664,6 @@ def _check_tls_flags(args: argparse.Namespace) -> None:
         "--tls-key": args.tls_key,
         "--tls-server-name": args.tls_server_name,
     }
-    given = [flag for flag, value in tls.items() if value]
-    if given and not args.endpoint:
-        raise ValueError(
-            f"{', '.join(given)} only with --endpoint (a gateway's TLS port); embedded mode has no port"
-        )
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError(
             "--tls-cert and --tls-key go together: pass both (the client certificate and its key)"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from epd.cli.flags.modes import command_parser, command_tokens, ignored_flags_problem
 from epd.cli.parsers.root import build_parser
 from epd.cli.parsers.serve import flags_before_role
 from epd.cli.secret_flags import hide_secrets_from_ps
@@ -21,6 +22,9 @@ def parse_command(argv: list[str] | None = None) -> argparse.Namespace:
             f"{' '.join(early)} before the role {args.role!r} would be ignored: a service's flags come "
             f"after its role (epd serve {args.role} {early[0]} ...)"
         )
+    command = command_parser(parser, args.command)
+    if problem := ignored_flags_problem(command, args, command_tokens(parser, given, args.command)):
+        command.error(problem)  # a flag taken and dropped: the user believed it took effect
     return args
 
 

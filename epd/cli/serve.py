@@ -86,14 +86,6 @@ def run_serve(args: argparse.Namespace) -> int:
         return serve_stack(args)
     if _LAUNCHER_ENV in os.environ:  # the stack's gateway: end with the launcher
         _die_with_parent(int(os.environ.pop(_LAUNCHER_ENV)))
-    if max(args.encoders, args.prefills, args.decodes) > 1:
-        where = f"epd serve {args.role}" if args.role else "--colocate"
-        print(
-            f"epd serve: --encoders/--prefills/--decodes start replicas of the stack; {where} runs one "
-            "service (start more of it on other ports, or run the stack)",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
     code = serve_role(args)
     _log_threads_left()
     exit_now(code)  # the service has drained and stopped (`epd.cli.process_exit`)

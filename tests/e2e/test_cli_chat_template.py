@@ -1,6 +1,7 @@
 """`epd ask --chat-template FILE_OR_TEMPLATE` as a user runs it (embedded: the model it loads renders
 the prompt with that template, and the answer is generate()'s on the processor's rendering with
-it); a template that does not parse, or the flag against a gateway, exits 2 saying what to change."""
+it); a template that does not parse exits 2 saying what to change (the flag against a gateway:
+test_cli_ignored_flags)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,6 @@ def test_ask_refuses_a_template_it_cannot_use_saying_what_to_change(tmp_path):
             "--chat-template: the chat template does not parse: line 1: ",
         ),
         (["--chat-template", str(tmp_path / "missing.jinja")], "is not a file that can be read"),
-        (["--chat-template", "{{ messages }}", "--endpoint", "127.0.0.1:1"], "leave it out with --endpoint"),
     ):
         refused = run_epd_forked("ask", "--no-video", QUESTION, *args)
         assert refused.returncode == 2 and says in refused.stderr, (args, refused.stderr)

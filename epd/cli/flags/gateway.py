@@ -9,6 +9,7 @@ import functools
 from collections.abc import Callable
 
 from epd.cli.flags.arg_types import addresses, env, port_number, positive_seconds, seconds
+from epd.cli.flags.modes import STACK, serves_only
 from epd.gateway.reasoning import REASONING_PARSERS
 from epd.gateway.tool_parsers.stream import TOOL_CALL_PARSERS
 
@@ -35,14 +36,14 @@ def add_routing_flags(p: argparse.ArgumentParser) -> None:
     """How the gateway spreads stage calls over replicas (the gateway role, and `epd serve` for its
     stack's gateway; --colocate has one local stage of each, nothing to route)."""
     g = p.add_argument_group("routing among stage replicas")
-    g.add_argument(
+    routing = g.add_argument(
         "--routing",
         choices=("affinity", "round-robin"),
         default="affinity",
         help="affinity: a video's calls go to the replicas holding its caches (unless "
         "overloaded), others to the least loaded; round-robin: every call in turn",
     )
-    g.add_argument(
+    attempt_timeout = g.add_argument(
         "--stage-attempt-timeout",
         type=seconds,
         default=120.0,
@@ -50,13 +51,15 @@ def add_routing_flags(p: argparse.ArgumentParser) -> None:
         help="longest one try of a stage call may take (decode: until its first token) before "
         "the next replica is tried (0 = only the stage deadline)",
     )
-    g.add_argument(
+    load_refresh = g.add_argument(
         "--load-refresh-interval",
         type=seconds,
         default=0.5,
         metavar="SECONDS",
         help="seconds between reads of the replicas' loads for routing (0 = off)",
     )
+    why = "routing among a stack's stage replicas; the colocated front door has one local stage of each"
+    serves_only(STACK, why, routing, attempt_timeout, load_refresh)
 
 
 def add_http_listen_flags(p: argparse.ArgumentParser, g) -> None:

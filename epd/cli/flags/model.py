@@ -13,48 +13,63 @@ against the vocabulary: prefill for the first token, decode for the rest. The en
 so it has no --structured-compile-timeout-s (nor does the stack pass it one)."""
 
 
-def add_model_flags(p: argparse.ArgumentParser, compiles: bool = True) -> None:
-    """The model's flags; `compiles`: the process compiles structured outputs (`COMPILING_ROLES`,
-    the stack, the colocated stages, `epd ask`'s embedded ones), and so takes their deadline."""
+def add_model_flags(p: argparse.ArgumentParser, compiles: bool = True) -> list[argparse.Action]:
+    """The model's flags (returned); `compiles`: the process compiles structured outputs
+    (`COMPILING_ROLES`, the stack, the colocated stages, `epd ask`'s embedded ones), and so takes
+    their deadline."""
     g = p.add_argument_group("model")
-    g.add_argument(
-        "--model",
-        default=env("EPD_MODEL", "default"),
-        help="local directory or hub id of a checkpoint of a supported family (Qwen2-VL, Qwen2.5-VL, "
-        "Qwen3-VL, Qwen3.5, LLaVA-OneVision, GLM-4.1V, InternVL3/3.5 -hf; default: the embedded model)",
+    flags = []
+    flags.append(
+        g.add_argument(
+            "--model",
+            default=env("EPD_MODEL", "default"),
+            help="local directory or hub id of a checkpoint of a supported family (Qwen2-VL, Qwen2.5-VL, "
+            "Qwen3-VL, Qwen3.5, LLaVA-OneVision, GLM-4.1V, InternVL3/3.5 -hf; default: the embedded model)",
+        )
     )
-    g.add_argument("--device", default=env("EPD_DEVICE", "cpu"), help="cpu or cuda[:N]")
-    g.add_argument("--dtype", default=env("EPD_DTYPE", "float32"), choices=["float32", "float16", "bfloat16"])
+    flags.append(g.add_argument("--device", default=env("EPD_DEVICE", "cpu"), help="cpu or cuda[:N]"))
+    flags.append(
+        g.add_argument(
+            "--dtype", default=env("EPD_DTYPE", "float32"), choices=["float32", "float16", "bfloat16"]
+        )
+    )
     from epd.model_runtime.config import LINEAR_KERNELS, ModelConfig
 
-    g.add_argument(
-        "--linear-kernel",
-        default="torch",
-        choices=LINEAR_KERNELS,
-        help="linear layers: torch's own (MKL on x86; the default, bit-identical to generate()), "
-        "or onednn for calls of 16 rows or more (prefill, vision tower, wide decode steps): "
-        "2.1x faster products on the AMD bench CPU (not on Intel), results within float32 rounding "
-        "(docs/benchmarks.md, 'oneDNN linear layers')",
+    flags.append(
+        g.add_argument(
+            "--linear-kernel",
+            default="torch",
+            choices=LINEAR_KERNELS,
+            help="linear layers: torch's own (MKL on x86; the default, bit-identical to generate()), "
+            "or onednn for calls of 16 rows or more (prefill, vision tower, wide decode steps): "
+            "2.1x faster products on the AMD bench CPU (not on Intel), results within float32 rounding "
+            "(docs/benchmarks.md, 'oneDNN linear layers')",
+        )
     )
     if compiles:
-        g.add_argument(
-            "--structured-compile-timeout-s",
-            type=seconds,
-            default=ModelConfig.structured_compile_timeout_s,
-            metavar="S",
-            help="how long a request's structured output (JSON schema, regex, grammar) may take to "
-            "compile against the model's vocabulary (default 30; 0: no bound); longer is refused "
-            "with 400 / INVALID_ARGUMENT asking for a simpler one",
+        flags.append(
+            g.add_argument(
+                "--structured-compile-timeout-s",
+                type=seconds,
+                default=ModelConfig.structured_compile_timeout_s,
+                metavar="S",
+                help="how long a request's structured output (JSON schema, regex, grammar) may take to "
+                "compile against the model's vocabulary (default 30; 0: no bound); longer is refused "
+                "with 400 / INVALID_ARGUMENT asking for a simpler one",
+            )
         )
     env_threads = env("EPD_NUM_THREADS", "")
-    g.add_argument(
-        "--num-threads",
-        type=num_threads,
-        default=num_threads(env_threads) if env_threads else None,
-        help="torch threads per model call: N, or auto (the cores the other stages' calls leave "
-        "idle at that moment). Default: 1 per service of a stack (the fastest under load, "
-        "docs/benchmarks.md), auto in --colocate",
+    flags.append(
+        g.add_argument(
+            "--num-threads",
+            type=num_threads,
+            default=num_threads(env_threads) if env_threads else None,
+            help="torch threads per model call: N, or auto (the cores the other stages' calls leave "
+            "idle at that moment). Default: 1 per service of a stack (the fastest under load, "
+            "docs/benchmarks.md), auto in --colocate",
+        )
     )
+    return flags
 
 
 def add_allocator_flag(p: argparse.ArgumentParser) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from epd.cli.flags.arg_types import env, port_number, seconds, secret_check_interval
+from epd.cli.flags.modes import STACK, serves_only
 from epd.stages.model_thread import CLOSE_WAIT_S
 
 
@@ -23,8 +24,8 @@ def add_grace_flag(p: argparse.ArgumentParser) -> None:
     add_close_timeout_flag(p)
 
 
-def add_close_timeout_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
+def add_close_timeout_flag(p: argparse.ArgumentParser) -> argparse.Action:
+    return p.add_argument(
         "--close-timeout-s",
         type=seconds,
         default=CLOSE_WAIT_S,
@@ -96,12 +97,12 @@ def add_security_flags(p: argparse.ArgumentParser) -> None:
     p.set_defaults(internal_secret_env=env("EPD_INTERNAL_SECRET", ""))
 
 
-def add_secret_check_flag(g) -> None:
+def add_secret_check_flag(g) -> argparse.Action:
     """Every service's (`add_security_flags`), and `epd serve`'s, which passes it to the stack's
     services (`epd.cli.serve.stack_security_flags`; --colocate has no internal secret)."""
     from epd.stages.server_config import SECRET_CHECK_INTERVAL_S
 
-    g.add_argument(
+    return g.add_argument(
         "--secret-check-interval-s",
         type=secret_check_interval,
         default=SECRET_CHECK_INTERVAL_S,
@@ -138,7 +139,7 @@ def add_stack_security_flags(p: argparse.ArgumentParser) -> None:
         "HTTP ports become TLS/HTTPS, and the stages take only the stack's own calls (mTLS)",
     )
     g.add_argument("--tls-key", default="", metavar="PATH", help="PEM private key of --tls-cert")
-    g.add_argument(
+    tls_ca = g.add_argument(
         "--tls-ca",
         default="",
         metavar="PATH",
@@ -150,5 +151,11 @@ def add_stack_security_flags(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="PEM CA bundle clients of the gateway must present a certificate of (mTLS at the front door)",
     )
-    add_secret_check_flag(g)
+    secret_check = add_secret_check_flag(g)
     p.set_defaults(api_key_env=env("EPD_API_KEY", ""))
+    why = (
+        "the stack's calls between its services (the CA verifying their certificates, the internal "
+        "secret's rotation); the colocated stages are called inside the process (--tls-cert and "
+        "--tls-key alone serve the front door's TLS)"
+    )
+    serves_only(STACK, why, tls_ca, secret_check)

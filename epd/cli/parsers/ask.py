@@ -6,6 +6,7 @@ from __future__ import annotations
 from epd.cli.flags.arg_types import env, positive_seconds
 from epd.cli.flags.media import add_sampling_flags
 from epd.cli.flags.model import add_model_flags
+from epd.cli.flags.modes import EMBEDDED, ENDPOINT, serves_only
 from epd.cli.flags.request import add_generation_flags, add_pruning_flags
 from epd.cli.flags.server import add_close_timeout_flag
 from epd.gateway.tool_parsers.stream import TOOL_CALL_PARSERS
@@ -71,7 +72,7 @@ def add_ask_command(sub) -> None:
         """'{"enable_thinking": false}' closes a Qwen3.5 template's thinking block; variables the """
         "template does not read are dropped; not with --prompt",
     )
-    ask.add_argument(
+    chat_template = ask.add_argument(
         "--chat-template",
         default=None,
         metavar="FILE_OR_TEMPLATE",
@@ -103,7 +104,7 @@ def add_ask_command(sub) -> None:
         "--endpoint, the SDK's 600 s, the gRPC call's deadline)",
     )
     ask.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    ask.add_argument(
+    api_key = ask.add_argument(
         "--api-key",
         default=env("EPD_API_KEY", ""),
         help="key of a gateway started with --api-key (default: $EPD_API_KEY)",
@@ -146,25 +147,47 @@ def add_ask_command(sub) -> None:
         help="keep the answer's first tool call alone (the chat API's parallel_tool_calls: false, vLLM's)",
     )
     g = ask.add_argument_group("TLS (--endpoint of a gateway started with --tls-cert)")
-    g.add_argument(
-        "--tls-ca", default="", metavar="PATH", help="PEM CA that signed the gateway's certificate"
+    tls = [
+        g.add_argument(
+            "--tls-ca", default="", metavar="PATH", help="PEM CA that signed the gateway's certificate"
+        )
+    ]
+    tls.append(
+        g.add_argument(
+            "--tls-cert",
+            default="",
+            metavar="PATH",
+            help="PEM client certificate, for a gateway started with --tls-client-ca (mTLS)",
+        )
     )
-    g.add_argument(
-        "--tls-cert",
-        default="",
-        metavar="PATH",
-        help="PEM client certificate, for a gateway started with --tls-client-ca (mTLS)",
+    tls.append(g.add_argument("--tls-key", default="", metavar="PATH", help="PEM private key of --tls-cert"))
+    tls.append(
+        g.add_argument(
+            "--tls-server-name",
+            default="",
+            metavar="NAME",
+            help="name to check the gateway's certificate against, when not the --endpoint host "
+            "(TLS: with the system's CAs when no --tls-ca)",
+        )
     )
-    g.add_argument("--tls-key", default="", metavar="PATH", help="PEM private key of --tls-cert")
-    g.add_argument(
-        "--tls-server-name",
-        default="",
-        metavar="NAME",
-        help="name to check the gateway's certificate against, when not the --endpoint host "
-        "(TLS: with the system's CAs when no --tls-ca)",
+    serves_only(ENDPOINT, "TLS to a gateway's port; embedded mode calls none", *tls)
+    serves_only(ENDPOINT, "the key of a gateway started with --api-key; embedded mode calls none", api_key)
+    serves_only(
+        EMBEDDED,
+        "the flags of the model epd ask loads itself; a gateway's services chose theirs when they started",
+        *add_model_flags(ask),
     )
-    add_model_flags(ask)
-    add_close_timeout_flag(ask)  # embedded mode: how long its close waits for its threads
+    serves_only(
+        EMBEDDED,
+        "how long the embedded pipeline's close waits for its threads; with --endpoint none run here",
+        add_close_timeout_flag(ask),
+    )
+    serves_only(
+        EMBEDDED,
+        "the embedded model's prompt template; a gateway's prompts render with the template its prefill "
+        "was started with (its --chat-template)",
+        chat_template,
+    )
     add_generation_flags(ask)
     add_sampling_flags(ask)
     add_pruning_flags(ask)

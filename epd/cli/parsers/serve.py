@@ -8,6 +8,7 @@ from epd.cli.flags.arg_types import addresses, count, env, kv_sources, port_numb
 from epd.cli.flags.gateway import GATEWAY_FLAGS, add_admission_flags, add_http_api_flags, add_routing_flags
 from epd.cli.flags.media import add_decode_limit_flags, add_max_upload_bytes_flag, add_sampling_flags
 from epd.cli.flags.model import COMPILING_ROLES, add_allocator_flag, add_model_flags
+from epd.cli.flags.modes import COLOCATED, STACK, serves_only
 from epd.cli.flags.server import add_grace_flag, add_server_flags, add_stack_security_flags
 from epd.cli.flags.stages import SHARED_STAGE_FLAGS, STAGE_FLAGS
 
@@ -170,9 +171,16 @@ def _add_stack_flags(serve) -> None:
     # would refuse to listen without: `epd serve` has no flags to listen beyond loopback.
     serve.set_defaults(http_host="", no_api_key=False)
     serve.add_argument("--gateway-port", type=port_number, default=GATEWAY_PORT)
-    serve.add_argument("--encoder-port", type=port_number, default=ENCODER_PORT)
-    serve.add_argument("--prefill-port", type=port_number, default=PREFILL_PORT)
-    serve.add_argument("--decode-port", type=port_number, default=DECODE_PORT)
+    stage_ports = (
+        serve.add_argument("--encoder-port", type=port_number, default=ENCODER_PORT),
+        serve.add_argument("--prefill-port", type=port_number, default=PREFILL_PORT),
+        serve.add_argument("--decode-port", type=port_number, default=DECODE_PORT),
+    )
+    serves_only(
+        STACK,
+        "the stack's stage servers' ports; the colocated stages serve none (--gateway-port and --http-port do)",
+        *stage_ports,
+    )
     serve.add_argument(
         "--http-port",
         type=port_number,
@@ -187,7 +195,7 @@ def _add_stack_flags(serve) -> None:
     )
     g = serve.add_argument_group("replicas and supervision (the stack on loopback)")
     replicas = count("a number of replicas", MAX_REPLICAS, "replicas")
-    for role in ("encoder", "prefill", "decode"):
+    supervision = [
         g.add_argument(
             f"--{role}s",
             type=replicas,
@@ -195,15 +203,21 @@ def _add_stack_flags(serve) -> None:
             metavar="N",
             help=f"{role} replicas: replica i listens on --{role}-port + {REPLICA_PORT_STEP} * i",
         )
-    g.add_argument(
-        "--health-timeout",
-        type=positive_seconds,
-        default=10.0,
-        metavar="SECONDS",
-        help="a service that stops answering its gRPC health check this long is killed and "
-        "restarted (a service that exits is restarted too, with backoff; one that "
-        "crash-loops is given up on)",
+        for role in ("encoder", "prefill", "decode")
+    ]
+    supervision.append(
+        g.add_argument(
+            "--health-timeout",
+            type=positive_seconds,
+            default=10.0,
+            metavar="SECONDS",
+            help="a service that stops answering its gRPC health check this long is killed and "
+            "restarted (a service that exits is restarted too, with backoff; one that "
+            "crash-loops is given up on)",
+        )
     )
+    why = "the stack's replicas and their supervision; --colocate runs one process with one stage of each"
+    serves_only(STACK, why, *supervision)
     serve.add_argument(
         "--colocate",
         action="store_true",
@@ -222,7 +236,7 @@ def _add_stack_flags(serve) -> None:
         "--decode-max-wait-s; the stack: its decoders run at a lower CPU priority "
         f"(decode's --nice {TTFT_FIRST_DECODE_NICE})",
     )
-    serve.add_argument(
+    colocated_schedule = serve.add_argument(
         "--decode-max-wait-s",
         type=positive_seconds,
         default=shared.decode_max_wait_s,
@@ -231,7 +245,7 @@ def _add_stack_flags(serve) -> None:
         "waits while encode and prefill steps go first",
     )
     steps = count("a number of model calls", MAX_CONCURRENT_STEPS, "(one per stage)")
-    serve.add_argument(
+    concurrent_steps = serve.add_argument(
         "--concurrent-steps",
         type=steps,
         default=shared.concurrent_steps,
@@ -240,6 +254,8 @@ def _add_stack_flags(serve) -> None:
         f"2: a decode step beside an encode or prefill step; at most {MAX_CONCURRENT_STEPS}, "
         "one per stage)",
     )
+    why = "the colocated stages' sharing of one model's steps; the stack's services each run their own"
+    serves_only(COLOCATED, why, colocated_schedule, concurrent_steps)
     add_stack_security_flags(serve)
     add_grace_flag(serve)  # passed to every service; the gateway drains first, then the stages
     # GATEWAY_FLAGS: passed to the stack's gateway, or the colocated front door (not routing: its

@@ -40,7 +40,6 @@ def test_known_flags_still_parse():
 @pytest.mark.parametrize(
     "extra,expected",
     [
-        (["--tls-ca", "ca.pem"], "--tls-ca only with --endpoint"),
         (["--endpoint", "h:1", "--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
     ],
 )

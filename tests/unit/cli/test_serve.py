@@ -528,14 +528,6 @@ def test_a_replica_that_cannot_load_its_model_stops_the_stack_without_a_restart(
     assert started == ["gateway", "decode[0]"]
 
 
-@pytest.mark.parametrize("argv", [["--encoders", "2", "--colocate"], ["--decodes", "3", "decode"]])
-def test_replica_counts_outside_the_stack_are_a_usage_error(argv, capsys):
-    from epd.cli.serve import run_serve
-
-    assert run_serve(build_parser().parse_args(["serve", *argv])) == EXIT_USAGE
-    assert "start replicas of the stack" in capsys.readouterr().err
-
-
 def test_the_batching_flags_reach_the_stacks_stages_and_the_colocated_ones():
     """`epd serve --max-prefill-tokens-per-step/--prefill-chunk-tokens/--max-running-requests`
     (vLLM's --max-num-batched-tokens / --max-num-seqs): the stack passes them to its prefill and
