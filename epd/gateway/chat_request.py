@@ -15,8 +15,8 @@ vLLM's `top_k`, `ignore_eos`, `repetition_penalty`, `min_p`, `min_tokens`, `stop
 `include_stop_str_in_output`, `allowed_token_ids`, `bad_words`, `skip_special_tokens`,
 `spaces_between_special_tokens`, `priority` and structured outputs (`structured_outputs`, `guided_json` ...:
 `epd.gateway.structured_request`), with vLLM's meanings (`epd.gateway.generation_options`); the
-chat template's variables go in vLLM's `chat_template_kwargs` (`{"enable_thinking": false}`) beside its `add_generation_prompt` and
-`continue_final_message`; vLLM's `include_reasoning` (false: the reasoning left out of a thinking
+chat template's variables go in vLLM's `chat_template_kwargs` (`{"enable_thinking": false}`)
+beside its `add_generation_prompt` and `continue_final_message`; vLLM's `include_reasoning` (false: the reasoning left out of a thinking
 model's answer, which `--reasoning-parser` parts: `epd.gateway.reasoning`); OpenAI's `tools` and
 `tool_choice` (`epd.gateway.tool_request`; the answer's calls: `epd.gateway.tool_parsers`), with an
 assistant's `tool_calls` and `tool` messages in the conversation; frame sampling goes in
