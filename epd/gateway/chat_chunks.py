@@ -20,11 +20,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from epd.gateway.chat_answer import shows_token_ids
+from epd.gateway.chat_request import ChatRequest
 from epd.gateway.completions_protocol import text_completion_chunk
-from epd.gateway.logprobs_protocol import completion_logprobs
-from epd.gateway.openai_protocol import ChatRequest, chunk_body, epd_details, shows_token_ids, usage
+from epd.gateway.logprobs_protocol import chat_logprobs, completion_logprobs
 from epd.gateway.pipeline import AskSummary, PromptLogprobs
 from epd.gateway.reasoning import MarkerIds, ReasoningStream, delta_fields
+from epd.gateway.summary_fields import epd_details, usage
 from epd.gateway.tool_parsers.answer import ToolAnswerStream, tool_finish_reason
 from epd.model_runtime.detokenizer import StopReason
 from epd.model_runtime.logprobs import TokenLogprob
@@ -345,3 +347,35 @@ def _final_chunk(chat: ChatRequest, request_id: str, created: int, index: int | 
     if chat.raw_prompt is not None:
         return text_completion_chunk(request_id, chat.model, created, "", index=index)
     return chunk_body(request_id, chat.model, created, {}, index=index)
+
+
+def chunk_body(
+    request_id: str,
+    model: str,
+    created: int,
+    delta: dict[str, Any],
+    finish_reason: str | None = None,
+    token_ids: list[int] | None = None,
+    stop_reason: StopReason = None,
+    logprobs: Sequence[TokenLogprob] | None = None,
+    index: int = 0,
+) -> dict[str, Any]:
+    """One `chat.completion.chunk` of choice `index`; `token_ids` (extra) are the tokens this chunk's
+    text came from, `logprobs` theirs when the request asked; `stop_reason` (vLLM's) is set on the
+    chunk with the finish reason."""
+    choice: dict[str, Any] = {
+        "index": index,
+        "delta": delta,
+        "logprobs": None if logprobs is None else chat_logprobs(logprobs),
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {
+        "id": f"chatcmpl-{request_id}",
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }

@@ -5,7 +5,7 @@ tokenises text by default (`tokenizer(prompt)`, its special tokens added), with 
 `generate()` gives text (`epd.stages.raw_prompt`); or the prompt's token ids. One prompt per
 request: `"prompt": "text"`, `["text"]`, `[1, 2, 3]` or `[[1, 2, 3]]`; a batch of several is
 refused (400), as epd answers one prompt per call. The generation options, streaming,
-`stream_options` and the server-side defaults are chat completions' (`epd.gateway.openai_protocol`);
+`stream_options` and the server-side defaults are chat completions' (`epd.gateway.chat_request`);
 `echo` (a token-id prompt's text is prefill's Detokenize of its ids, as vLLM's renderer decodes
 them; with `max_tokens` 0 the prompt alone, vLLM's echo without generation), `logprobs` (`epd.gateway.logprobs_protocol`; with `echo`, the prompt's
 tokens' logprobs come first, as vLLM's; streamed, in the echoed prompt's chunk, before the answer's
@@ -21,23 +21,21 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from epd.gateway.chat_request import ChatRequest, answer_options
 from epd.gateway.json_fields import INT32_MAX, TOKEN_ID, boolean_field, checked_text, lax_int, number_item
 from epd.gateway.logprobs_protocol import (
     completion_logprobs,
     completion_logprobs_option,
     prompt_logprobs_json,
 )
-from epd.gateway.openai_protocol import (
+from epd.gateway.pipeline import AskSummary
+from epd.gateway.request_fields import (
     KNOWN_CHAT_FIELDS,
     UNSUPPORTED_CHAT_FIELDS,
-    ChatRequest,
-    answer_options,
     check_model,
-    epd_details,
     refuse_unsupported_fields,
-    usage,
 )
-from epd.gateway.pipeline import AskSummary
+from epd.gateway.summary_fields import epd_details, usage
 from epd.model_runtime.detokenizer import StopReason
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest

@@ -24,7 +24,7 @@ event loop, calling the same `Pipeline` as the gRPC servicer:
     GET  /version               {"version": epd's}
     GET  /metrics               Prometheus text format (epd/gateway/metrics.py)
 
-Request format and options: epd/gateway/openai_protocol.py. Media URL policy: epd/gateway/media_fetch.py.
+Request format and options: epd/gateway/chat_request.py. Media URL policy: epd/gateway/media_fetch.py.
 Errors are OpenAI-style JSON bodies, aiohttp's own too (an unknown path's 404, a wrong method's
 405 with its Allow header, an unsupported Expect's 417: a catch-all route keeps every request
 inside the middleware); pipeline errors go through `epd.transport.errors.status_of`,
@@ -68,7 +68,9 @@ from epd.gateway.admission import (
     peer_host,
 )
 from epd.gateway.browser_guard import cross_site_browser_request, rebound_host
+from epd.gateway.chat_answer import completion_body
 from epd.gateway.chat_chunks import ChatChunks
+from epd.gateway.chat_request import ChatRequest, parse_chat_request
 from epd.gateway.completions_protocol import (
     parse_completion_request,
     text_completion_body,
@@ -86,16 +88,10 @@ from epd.gateway.http_body import (
     unsupported_encoding_message,
     unsupported_expect,
 )
+from epd.gateway.http_errors import error_body, http_error_of
 from epd.gateway.json_answer import json_answer
 from epd.gateway.media_fetch import decode_data_url, load_media
 from epd.gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from epd.gateway.openai_protocol import (
-    ChatRequest,
-    completion_body,
-    error_body,
-    http_error_of,
-    parse_chat_request,
-)
 from epd.gateway.pipeline import (
     AskRequest,
     AskSummary,

@@ -12,7 +12,7 @@ send, never a 5xx deeper in, nor a value the wire to the stages cannot carry.
     check_collection  an object or list of at most so many entries
 
 An error message shows the client's value cut short (`shown_value`): it must not echo a megabyte.
-Chat completions (`epd.gateway.openai_protocol`), legacy completions and /tokenize read their
+Chat completions (`epd.gateway.chat_request`), legacy completions and /tokenize read their
 bodies with these.
 """
 

@@ -40,10 +40,11 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from epd.gateway.chat_request import ChatRequest
 from epd.gateway.logprobs_protocol import chat_logprobs
-from epd.gateway.openai_protocol import ChatRequest, epd_details
 from epd.gateway.pipeline import AskSummary
 from epd.gateway.reasoning import MarkerIds, ReasoningStream
+from epd.gateway.summary_fields import epd_details
 from epd.gateway.tool_parsers.answer import ToolAnswerStream
 from epd.model_runtime.logprobs import TokenLogprob
 from epd.stages.contracts import TokenStep
@@ -180,7 +181,7 @@ class ResponseEvents:
 
     def failed(self, error: dict[str, Any]) -> list[dict[str, Any]]:
         """The end of a stream that failed after its 200, from chat's error body
-        (`epd.gateway.openai_protocol.error_body`): response.created and .in_progress first when
+        (`epd.gateway.http_errors.error_body`): response.created and .in_progress first when
         no token came before (a keep-alive sent the 200), OpenAI's `error` event, and
         response.failed, the response with status "failed" and its `error`, as OpenAI ends a
         failed response (the open item stays out of its output: it was not done)."""

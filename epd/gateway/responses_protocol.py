@@ -48,14 +48,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from epd.gateway.chat_request import ChatRequest, parse_chat_request
 from epd.gateway.json_fields import lax_int, shown_value
-from epd.gateway.openai_protocol import (
-    KNOWN_CHAT_FIELDS,
-    UNSUPPORTED_CHAT_FIELDS,
-    ChatRequest,
-    parse_chat_request,
-    refuse_unsupported_fields,
-)
+from epd.gateway.request_fields import KNOWN_CHAT_FIELDS, UNSUPPORTED_CHAT_FIELDS, refuse_unsupported_fields
 from epd.gateway.structured_request import GUIDED_FIELDS
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest

@@ -29,9 +29,11 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from epd.gateway.chat_messages import parse_messages
+from epd.gateway.chat_request import template_options
 from epd.gateway.http_body import defer_continue, read_json_body
 from epd.gateway.json_fields import TOKEN_ID, boolean_field, check_collection, checked_text, number_item
-from epd.gateway.openai_protocol import parse_messages, requested_model, template_options
+from epd.gateway.request_fields import requested_model
 from epd.gateway.tool_request import checked_tools
 from epd.stages.errors import InvalidRequest
 from epd.stages.tokenize import MAX_DETOKENIZE_TOKENS, TokenizeInput

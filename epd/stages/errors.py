@@ -2,7 +2,7 @@
 
 Engines and libraries raise these (or `epd.video.types.MediaError`); the transport layer maps them
 to status codes in one place (`epd.transport.errors.status_of`), and the HTTP front door maps
-those to HTTP statuses (`epd.gateway.openai_protocol.http_status_of`).
+those to HTTP statuses (`epd.gateway.http_errors.http_status_of`).
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ def sampling_to_proto(opts: SamplingOptions) -> common_pb2.VideoSampling:
 
 
 TOP_K_OFF = -1
-"""vLLM's top_k for "off", as 0 is: taken by the gRPC API as by the HTTP API (`openai_protocol`)."""
+"""vLLM's top_k for "off", as 0 is: taken by the gRPC API as by the HTTP API (`generation_options`)."""
 
 
 def generation_from_proto(msg: common_pb2.GenerationParams, defaults: GenerationConfig) -> GenerationConfig:

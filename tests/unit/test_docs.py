@@ -624,9 +624,9 @@ def test_the_readmes_lists_of_result_fields_are_the_sdks_and_the_http_apis():
     """README.md lists the fields of `epd ask --json` (AskResult.to_dict()) and of the HTTP API's
     `epd` object by name: those lists are the names the code writes, no more, no fewer."""
     from epd.client.types import result_from_proto
-    from epd.gateway.openai_protocol import epd_details
     from epd.gateway.pipeline import AskSummary
     from epd.gateway.servicer import summary_to_proto
+    from epd.gateway.summary_fields import epd_details
 
     summary = AskSummary(
         request_id="r",
@@ -827,7 +827,7 @@ def test_the_vllm_guide_covers_vllms_common_serve_flags():
 def endpoint_fields() -> dict[str, tuple[set[str], set[str]]]:
     """endpoint -> (fields it reads or refuses, fields it refuses unless they ask for nothing)."""
     from epd.gateway import completions_protocol, responses_protocol
-    from epd.gateway.openai_protocol import KNOWN_CHAT_FIELDS, UNSUPPORTED_CHAT_FIELDS
+    from epd.gateway.request_fields import KNOWN_CHAT_FIELDS, UNSUPPORTED_CHAT_FIELDS
 
     return {
         "chat": (set(KNOWN_CHAT_FIELDS), set(UNSUPPORTED_CHAT_FIELDS)),

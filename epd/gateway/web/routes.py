@@ -16,7 +16,7 @@
 
 The page asks its questions through the streaming `/v1/chat/completions` (SSE) and draws the
 final chunk's `epd` object (the SDK's `AskResult` fields under the same names, see
-`openai_protocol.epd_details`): `timings_ms` by `epd.stages.names` stage (timeline), frames,
+`summary_fields.epd_details`): `timings_ms` by `epd.stages.names` stage (timeline), frames,
 cache hit, and `kept_tokens`. Questions about one clip are a conversation kept by the page: each
 request's `messages` carry the earlier questions and answers (nothing is stored here), and the
 usage chunk's `prompt_tokens_details.cached_tokens` shows what prefill's prefix cache reused.
@@ -36,10 +36,11 @@ from typing import Any
 from aiohttp import web
 
 from epd.gateway.admission import max_body_bytes as gateway_max_body_bytes
+from epd.gateway.chat_request import parse_chat_request
 from epd.gateway.config import GatewayConfig
 from epd.gateway.http_body import TICKET_KEY, defer_continue, read_json_body
+from epd.gateway.http_errors import error_body
 from epd.gateway.media_fetch import load_media
-from epd.gateway.openai_protocol import error_body, parse_chat_request
 from epd.gateway.web.demo_decodes import DemoDecodes
 from epd.resources import shipped
 from epd.stages.errors import InvalidRequest

@@ -33,8 +33,8 @@ from epd.cli.serve import (
     stage_flags,
 )
 from epd.decode_svc.config import DecodeConfig
+from epd.gateway.chat_request import parse_chat_request
 from epd.gateway.config import GatewayConfig, HttpApiConfig, MediaFetchConfig
-from epd.gateway.openai_protocol import parse_chat_request
 from epd.model_runtime.loader import ModelLoadError, check_model_dir
 from epd.prefill_svc.config import PrefillConfig
 from epd.resources import demo_model_dir

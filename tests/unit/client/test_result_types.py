@@ -15,8 +15,8 @@ from google.protobuf.message import Message
 from epd.client import AskResult, GridTHW, PruningReport, PruningStageCount, Stage, StageEvent, Timings
 from epd.client.types import TokenLogprob, result_from_proto, stage_event_from_proto
 from epd.gateway import pipeline
-from epd.gateway.openai_protocol import epd_details
 from epd.gateway.servicer import summary_to_proto
+from epd.gateway.summary_fields import epd_details
 from epd.stages.names import TIMING_NAMES
 from epd.token_pruning import PruningStats
 from epd.transport.message_convert import logprob_from_proto

@@ -9,8 +9,8 @@ import grpc
 import pytest
 
 from epd.client import build_header
+from epd.gateway.chat_request import parse_chat_request
 from epd.gateway.completions_protocol import parse_completion_request
-from epd.gateway.openai_protocol import parse_chat_request
 from epd.gateway.tokenize_api import parse_tokenize_request
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from epd.client import build_header
-from epd.gateway.openai_protocol import http_status_of, parse_chat_request
+from epd.gateway.chat_request import parse_chat_request
+from epd.gateway.http_errors import http_status_of
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest
 from epd.stages.messages import ChatTemplateOptions, Message, check_messages

@@ -82,7 +82,7 @@ def test_what_is_refused_says_what_to_send(body, match):
 def test_chat_only_fields_are_logged_as_ignored(caplog):
     """vLLM's completions request has no top_logprobs (its logprobs is the count of alternatives)
     and no chat template options: ignored, as vLLM ignores unknown fields, and logged."""
-    with caplog.at_level("WARNING", logger="epd.gateway.openai_protocol"):
+    with caplog.at_level("WARNING", logger="epd.gateway.request_fields"):
         request = parse(prompt="a", logprobs=2, top_logprobs=5, chat_template_kwargs={})
     assert request.generation.logprobs == 2
     assert "ignored request fields ['chat_template_kwargs', 'top_logprobs']" in caplog.text

@@ -22,7 +22,7 @@ import pytest
 from aiohttp import web
 
 from epd.client import AsyncEpdClient
-from epd.gateway import json_answer, openai_protocol
+from epd.gateway import chat_answer, json_answer
 from epd.gateway.config import GatewayConfig, HttpApiConfig
 from epd.gateway.http_api import HttpApi
 from epd.gateway.json_answer import LIST_SLICE_ITEMS, json_bytes
@@ -216,9 +216,7 @@ async def _post(path: str, body: dict) -> tuple[int, bytes, int]:
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_an_http_answer_with_prompt_logprobs_is_built_and_written_off_the_event_loop(monkeypatch, path):
     built, written = _Threads(), _Threads()
-    monkeypatch.setattr(
-        openai_protocol, "prompt_logprobs_json", built.wrap(openai_protocol.prompt_logprobs_json)
-    )
+    monkeypatch.setattr(chat_answer, "prompt_logprobs_json", built.wrap(chat_answer.prompt_logprobs_json))
     monkeypatch.setattr(json_answer, "json_bytes", written.wrap(json_answer.json_bytes))
     body: dict[str, Any] = {"model": "epd", "max_tokens": 1, "prompt_logprobs": 1}
     if path == "/v1/completions":

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from epd.gateway.chat_request import parse_chat_request
 from epd.gateway.completions_protocol import parse_completion_request
-from epd.gateway.openai_protocol import parse_chat_request
 from epd.model_runtime.sampling import MAX_STRUCTURED_OUTPUT_CHARS, GenerationConfig, StructuredOutputs
 from epd.stages.errors import InvalidRequest
 from epd.video.types import SamplingOptions

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from epd.gateway.openai_protocol import completion_body
+from epd.gateway.chat_answer import completion_body
 from epd.gateway.pipeline import AskSummary
 from epd.gateway.tool_parsers import markers
 from epd.gateway.tool_parsers.answer import ToolAnswerStream, answer_tool_calls, tool_finish_reason

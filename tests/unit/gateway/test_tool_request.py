@@ -1,5 +1,5 @@
 """A chat request's `tools`, `tool_choice` and tool history (`epd.gateway.tool_request`,
-`epd.gateway.openai_protocol.parse_messages`, `epd.stages.tools`): what each choice asks of the
+`epd.gateway.chat_messages.parse_messages`, `epd.stages.tools`): what each choice asks of the
 answer (a forced choice as a structured output of vLLM's schema), the conversation's tool calls and
 results as the chat template gets them and as the wire carries them, and a clear 400 for each
 malformed shape."""
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from epd.gateway.openai_protocol import parse_chat_request
+from epd.gateway.chat_request import parse_chat_request
 from epd.gateway.tokenize_api import parse_tokenize_request
 from epd.gateway.tool_request import ToolChoice, check_auto_tool_choice
 from epd.model_runtime.sampling import GenerationConfig

@@ -9,7 +9,7 @@ import pytest
 
 from epd.client.request import build_header
 from epd.encoder_svc.token_cache import make_cache_key
-from epd.gateway.openai_protocol import parse_chat_request
+from epd.gateway.chat_request import parse_chat_request
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MAX_CACHE_SALT_CHARS, check_cache_salt
 from epd.stages.errors import InvalidRequest

@@ -10,7 +10,7 @@ import pytest
 
 from epd.cli.parsers.root import build_parser
 from epd.cli.serve import stage_flags
-from epd.gateway.openai_protocol import parse_chat_request
+from epd.gateway.chat_request import parse_chat_request
 from epd.model_runtime.chat_template import check_syntax, template_variables
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.config import PrefillConfig

@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from epd.gateway.openai_protocol import http_error_of
+from epd.gateway.http_errors import http_error_of
 from epd.transport.errors import UpstreamError, stage_error, status_of
 
 LEAKY = "ipv4:127.0.0.1:41109: Failed to connect to remote host: Connection refused"

@@ -1,13 +1,12 @@
-"""Chat-completions bodies -> the pipeline's request, and the error mapping to HTTP statuses."""
+"""Chat-completions bodies -> the pipeline's request (`epd.gateway.chat_request`)."""
 
 from __future__ import annotations
 
 import re
 
-import grpc
 import pytest
 
-from epd.gateway.openai_protocol import http_status_of, parse_chat_request
+from epd.gateway.chat_request import parse_chat_request
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest, NotFound
 from epd.stages.messages import IMAGE, VIDEO, Message
@@ -216,15 +215,6 @@ def test_unknown_model_is_not_found():
         parse(body(model="gpt-4o"))
 
 
-def test_http_status_of():
-    assert http_status_of(grpc.StatusCode.INVALID_ARGUMENT)[0] == 400
-    assert http_status_of(grpc.StatusCode.PERMISSION_DENIED)[0] == 403
-    assert http_status_of(grpc.StatusCode.NOT_FOUND)[0] == 404
-    assert http_status_of(grpc.StatusCode.RESOURCE_EXHAUSTED)[0] == 413
-    assert http_status_of(grpc.StatusCode.UNAVAILABLE)[0] == 503
-    assert http_status_of(grpc.StatusCode.INTERNAL)[0] == 500
-
-
 NAN, INF = float("nan"), float("inf")
 
 
@@ -392,7 +382,7 @@ def test_the_values_of_those_fields_that_ask_for_nothing_are_accepted(caplog):
         repetition_min_count=0,
     )
     assert parse(body(**neutral)).generation == GenerationConfig(max_new_tokens=32, fit_max_new_tokens=True)
-    with caplog.at_level("WARNING", logger="epd.gateway.openai_protocol"):
+    with caplog.at_level("WARNING", logger="epd.gateway.request_fields"):
         parse(body(medias={"num_frames": 4}, user="u1", return_token_ids=True))
     # A typo is logged; OpenAI's `user` is known, and so is vLLM's `return_token_ids` (the choices
     # carry the answer's token ids always).

@@ -1,0 +1,111 @@
+"""A whole chat answer's body (`chat.completion`) from the pipeline's summary (no HTTP in here):
+each choice's message (its text whole, or parted into reasoning and content by
+`--reasoning-parser`; its tool calls taken out), logprobs, finish and stop reasons and, when
+asked, token ids; then OpenAI's usage, vLLM's prompt logprobs and the extra `epd` object. A
+streamed answer's chunks are `epd.gateway.chat_chunks`'."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from epd.gateway.logprobs_protocol import chat_logprobs, prompt_logprobs_json
+from epd.gateway.pipeline import AskSummary, ChoiceSummary
+from epd.gateway.reasoning import MarkerIds, PartedAnswers, message_fields, part_answers
+from epd.gateway.summary_fields import epd_details, usage
+from epd.gateway.tool_parsers.answer import answer_tool_calls, tool_finish_reason
+from epd.gateway.tool_request import ToolChoice
+from epd.stages.contracts import TokenStep
+
+
+def shows_token_ids(return_token_ids: bool, thinking: bool | None, include_reasoning: bool) -> bool:
+    """Whether a chat answer's choices (whole or streamed) list their token ids: when the request
+    sets vLLM's `return_token_ids`, unless the reasoning is left out (`include_reasoning` false
+    under a reasoning parser: `thinking` not None), whose ids would show it, as vLLM hides them
+    (its chat serving code's `hide_stream_metadata`)."""
+    return return_token_ids and (thinking is None or include_reasoning)
+
+
+def completion_body(
+    summary: AskSummary,
+    model: str,
+    created: int | None = None,
+    role: str = "assistant",
+    echoed: str = "",
+    thinking: bool | None = None,
+    include_reasoning: bool = True,
+    tool_choice: ToolChoice = ToolChoice(),
+    steps: Iterable[TokenStep] | None = None,
+    marker_ids: MarkerIds | None = None,
+    return_token_ids: bool = False,
+) -> dict[str, Any]:
+    """A chat answer's body; `role`: `ChatRequest.response_role`; `echoed`: `ChatRequest.echoed_text`,
+    the content's start (usage still counts the generated tokens alone, as vLLM's). `thinking`
+    (with `--reasoning-parser`: `epd.gateway.reasoning.thinking_on`; None without one) parts each
+    choice's text, from the answer's token `steps` (needed then), into the message's reasoning and
+    content, counting the reasoning's tokens in the same pass (`part_answers`, as the Responses
+    answer parts and counts its steps; by token id with the served model's `marker_ids`);
+    `tool_choice` (`ChatRequest.tool_choice`) takes the content's tool calls into the message's
+    `tool_calls` (`epd.gateway.tool_parsers`); `return_token_ids` (`ChatRequest`'s) lists each
+    choice's token ids (`shows_token_ids`)."""
+    parted = None
+    if thinking is not None:
+        if steps is None:
+            raise ValueError("a reasoning parser parts the answer from its token steps: pass them")
+        parted = part_answers(((s.index, s.text, s.token_ids) for s in steps), thinking, marker_ids)
+    choices = []
+    for choice in summary.all_choices():
+        message, num_calls = _message(role, echoed, choice, parted, include_reasoning, tool_choice)
+        choices.append(
+            {
+                "index": choice.index,
+                "message": message,
+                "logprobs": None if choice.logprobs is None else chat_logprobs(choice.logprobs),
+                "finish_reason": tool_finish_reason(tool_choice, num_calls, choice.finish_reason or "stop"),
+                "stop_reason": choice.stop_reason,
+                **(
+                    {"token_ids": choice.token_ids}
+                    if shows_token_ids(return_token_ids, thinking, include_reasoning)
+                    else {}
+                ),
+            }
+        )
+    return {
+        "id": f"chatcmpl-{summary.request_id}",
+        "object": "chat.completion",
+        "created": created if created is not None else int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(summary, None if parted is None else parted.num_reasoning_tokens),
+        # vLLM's: None for the first prompt token, then each token's (only when asked).
+        "prompt_logprobs": prompt_logprobs_json(summary.prompt_logprobs),
+        "epd": epd_details(summary),
+    }
+
+
+def _message(
+    role: str,
+    echoed: str,
+    choice: ChoiceSummary,
+    parted: PartedAnswers | None,
+    include_reasoning: bool,
+    tool_choice: ToolChoice,
+) -> tuple[dict[str, Any], int]:
+    """A choice's message and the number of its tool calls: its text whole, or as the reasoning
+    parser parted it (`parted`), its content's tool calls taken out under the request's tool choice
+    (`answer_tool_calls`), then an echo put in front of the content (as vLLM's: the calls are the
+    generated text's, as the stream, which sends the echo in a chunk of its own, reads them)."""
+    if parted is None:
+        content: str | None = choice.answer
+        fields: dict[str, Any] = {}
+    else:
+        split = parted.split(choice.index)
+        content = split.content
+        fields = message_fields(split, include_reasoning)
+    content, calls = answer_tool_calls(content, tool_choice)
+    if echoed:
+        content = echoed + (content or "")
+    if calls:
+        fields["tool_calls"] = [call.to_json() for call in calls]
+    return {"role": role, "content": content, **fields}, len(calls)

@@ -1,0 +1,61 @@
+"""An error's HTTP status and OpenAI error body (`epd.gateway.http_errors`): the gRPC status a
+domain error maps to, as vLLM's OpenAI server answers it; a refusal for load (429, retry) apart
+from a limit (413, send less), whether the gateway or a stage refused."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from epd.gateway.http_body import BodyTimedOut
+from epd.gateway.http_errors import error_body, http_error_of, http_status_of
+from epd.model_runtime.sampling import ConstraintBusy
+from epd.stages.errors import Busy, DeadlineExceeded, ResourceExhausted
+from epd.transport.errors import UpstreamError
+
+
+def test_http_status_of():
+    assert http_status_of(grpc.StatusCode.INVALID_ARGUMENT)[0] == 400
+    assert http_status_of(grpc.StatusCode.PERMISSION_DENIED)[0] == 403
+    assert http_status_of(grpc.StatusCode.NOT_FOUND)[0] == 404
+    assert http_status_of(grpc.StatusCode.RESOURCE_EXHAUSTED)[0] == 413
+    assert http_status_of(grpc.StatusCode.UNAVAILABLE)[0] == 503
+    assert http_status_of(grpc.StatusCode.INTERNAL)[0] == 500
+    # A stage failed mid-answer; a model that cannot be loaded is the server's to fix, not the request's.
+    assert http_status_of(grpc.StatusCode.ABORTED) == (502, "server_error")
+    assert http_status_of(grpc.StatusCode.FAILED_PRECONDITION) == (500, "server_error")
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "error_type"),
+    [
+        (Busy("the queue is full; raise --max-queued-requests"), 429, "rate_limit_error"),
+        (ResourceExhausted("the video is too long; send a shorter one"), 413, "request_too_large"),
+        # A stage's refusal passed on by the gateway: retry only when the stage marked it so.
+        (
+            UpstreamError(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode is full", retry_after_s=1),
+            429,
+            "rate_limit_error",
+        ),
+        (
+            UpstreamError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the prompt is too long"),
+            413,
+            "request_too_large",
+        ),
+        (ConstraintBusy("compiles still run; retry later"), 429, "rate_limit_error"),
+    ],
+)
+def test_a_refusal_for_load_is_a_429_to_retry_and_a_limit_a_413(exc, status, error_type):
+    assert http_error_of(exc) == (status, error_type, str(exc))
+
+
+def test_an_http_layer_error_keeps_the_status_grpc_has_no_code_for():
+    """A body that came too slowly is the client's delay (408), not an upstream's (504)."""
+    assert http_error_of(BodyTimedOut("the body did not arrive in time"))[:2] == (408, "timeout")
+    assert http_error_of(DeadlineExceeded("prefill did not answer in time"))[:2] == (504, "timeout")
+
+
+def test_error_body_is_vllms_with_the_http_status_as_an_integer_code():
+    assert error_body("send less", "request_too_large", 413) == {
+        "error": {"message": "send less", "type": "request_too_large", "param": None, "code": 413}
+    }
