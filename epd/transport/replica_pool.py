@@ -4,9 +4,10 @@ disaggregated stack) share.
 
 Each stage holds one channel per replica address (client-side load balancing; in Kubernetes the
 addresses are the pods a headless Service's `dns:///` name resolves to, `epd.gateway.dns_replicas`,
-or come from a replica file the gateway reloads, `epd.gateway.replica_list`). A call about media goes to the replica that rendezvous hashing of
-the media's sha256 picks among the healthy ones, unless that replica is overloaded; a call without
-media goes to the least loaded healthy replica (`epd.transport.affinity`).
+or come from a replica file the gateway reloads, `epd.gateway.replica_list`). A call about media
+goes to the replica that rendezvous hashing of the media's sha256 picks among the healthy ones,
+unless that replica is overloaded; a call without media goes to the least loaded healthy replica
+(`epd.transport.affinity`).
 
 Retries, before anything reached the client only. Encode and prefill are idempotent (a cache miss
 on another replica, the same answer): a try that fails with UNAVAILABLE (replica gone, draining or
