@@ -119,10 +119,10 @@ class PruningStats:
     """Tensor payload bytes that crossed a process boundary for this request, summed over its
     hops: the visual embeddings (and DeepStack features) encoder -> gateway and gateway -> prefill,
     the KV cache prefill -> decode, the visual-entry mask prefill -> gateway -> decode (decode
-    eviction only). The gateway's remote stages count their hops (`epd.transport.remote_stages`:
-    an `EncodedMedia`'s is encoder -> gateway, a `PrefillHandle`'s that prefill call's) and the
-    pipeline sums them with the decoder's KV pull (`epd.gateway.pipeline`). Never sent between
-    stages; 0 in one process (embedded, colocated), where nothing crosses."""
+    eviction only). The gateway's remote stages count their hops (`epd.transport.remote_encode`,
+    `remote_prefill`: an `EncodedMedia`'s is encoder -> gateway, a `PrefillHandle`'s that prefill
+    call's) and the pipeline sums them with the decoder's KV pull (`epd.gateway.pipeline`). Never
+    sent between stages; 0 in one process (embedded, colocated), where nothing crosses."""
 
     def record(self, stage: str, num_in: int, num_out: int) -> None:
         self.stages.append(StageCount(stage, num_in, num_out))

@@ -15,7 +15,7 @@ replica file takes.
 
 A lookup that fails, or finds no address, changes nothing that routes:
 - a name never found yet stays in its stage's list as written, and gets no call, health check or
-  load read (`epd.transport.remote_stages.unresolved`): a stage with nothing else is not serving,
+  load read (`epd.transport.replica_pool.unresolved`): a stage with nothing else is not serving,
   and the gateway NOT_SERVING. It is looked up again every PENDING_RETRY_S. Not an error at
   start-up: a headless Service has no address until one of its pods is ready, and the gateway
   starts in seconds while the stages load their models for minutes; a gateway that exited then
@@ -183,7 +183,7 @@ class ReplicaSets:
     def expanded(self, stage: str) -> StageList:
         """The stage's replicas now: each `dns:///` name found replaced by its addresses (the first
         entry naming an address wins it), every other entry as written (a name not found yet too:
-        the pool calls nothing there, `epd.transport.remote_stages.unresolved`)."""
+        the pool calls nothing there, `epd.transport.replica_pool.unresolved`)."""
         addresses: dict[str, None] = {}
         server_names: dict[str, str] = {}
         for entry in self.configured[stage]:

@@ -44,7 +44,7 @@ from epd.stages.engine_core import EngineLoad
 from epd.transport.aio_cancel import answer_or_none, within
 from epd.transport.load import fetch_loads
 from epd.transport.load_servicer import stage_loads
-from epd.transport.remote_stages import ReplicaPool, unresolved
+from epd.transport.replica_pool import ReplicaPool, unresolved
 from epd.transport.single_flight import SingleFlight
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,8 @@ from collections.abc import Mapping, Sequence
 from epd.stages.model_info import ModelInfo, common_model_info
 from epd.transport.aio_cancel import answer_or_none
 from epd.transport.model_info import fetch_model_info
-from epd.transport.remote_stages import RemotePrefillStage, unresolved
+from epd.transport.remote_prefill import RemotePrefillStage
+from epd.transport.replica_pool import unresolved
 
 log = logging.getLogger(__name__)
 

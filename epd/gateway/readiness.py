@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epd.gateway.config import GatewayConfig
 from epd.transport.aio_cancel import cancelled_by_grpc
-from epd.transport.remote_stages import ReplicaPool, unresolved
+from epd.transport.replica_pool import ReplicaPool, unresolved
 from epd.transport.security import stage_channel
 from epd.transport.server import RECONNECT_OPTIONS, HealthyServer, channel_options
 from epd.transport.single_flight import SingleFlight

@@ -44,7 +44,7 @@ from epd.gateway.dns_replicas import (
     parse_dns_entry,
 )
 from epd.transport.aio_cancel import within
-from epd.transport.remote_stages import ReplicaPool
+from epd.transport.replica_pool import ReplicaPool
 
 log = logging.getLogger(__name__)
 

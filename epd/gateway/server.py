@@ -25,12 +25,10 @@ from epd.gateway.replica_list import (
 )
 from epd.gateway.servicer import SERVICE_NAME, GatewayServicer
 from epd.transport.auth import ApiKeyInterceptor
-from epd.transport.remote_stages import (
-    RemoteDecodeStage,
-    RemoteEncodeStage,
-    RemotePrefillStage,
-    ReplicaPool,
-)
+from epd.transport.remote_decode import RemoteDecodeStage
+from epd.transport.remote_encode import RemoteEncodeStage
+from epd.transport.remote_prefill import RemotePrefillStage
+from epd.transport.replica_pool import ReplicaPool
 from epd.transport.server import HealthyServer, StopSignals, create_server, serve_until_signal
 from epd.v1 import gateway_pb2_grpc
 

@@ -21,8 +21,8 @@ decoder will pull is dropped with `PrefillStage.release`.
 
 Two implementations stand side by side: the `Local*Stage` classes (`epd.encoder_svc.stage`,
 `epd.prefill_svc.stage`, `epd.decode_svc.stage`) run the engines in this process (the embedded
-mode, the services' servicers, and the reference for tests) and `epd.transport.remote_stages`
-calls the gRPC services. The gateway's pipeline is written against these contracts only.
+mode, the services' servicers, and the reference for tests) and the `Remote*Stage` classes
+(`epd.transport.remote_encode`, `remote_prefill`, `remote_decode`) call the gRPC services. The gateway's pipeline is written against these contracts only.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Which replica of a stage gets a call: media affinity by rendezvous hashing, the least loaded
-replica without media. Pure bookkeeping (no gRPC); `epd.transport.remote_stages.ReplicaPool` holds
+replica without media. Pure bookkeeping (no gRPC); `epd.transport.replica_pool.ReplicaPool` holds
 one per stage.
 
 Affinity. A request about media with sha256 S goes to the replica with the highest score

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
     """Message limits of every server and channel. Why 4 MiB (MAX_MESSAGE_BYTES) and not more:
     senders cut everything large into 1 MiB chunks (media uploads in `epd_client` and
-    `epd.transport.remote_stages`, tensors in `tensor_wire`), so no legitimate message is near it, while a
+    `epd.transport.remote_encode`, tensors in `tensor_wire`), so no legitimate message is near it, while a
     peer's single message is parsed whole in memory before any of our checks runs. Whole-upload
     limits (`--max-upload-bytes`, the gateway's `--max-inflight-body-bytes`) are counted over
     the chunks by the receiver (`epd.transport.upload.read_upload`), never by gRPC."""

@@ -31,7 +31,9 @@ from epd.stages.contracts import MediaInput, PrefillHandle
 from epd.stages.messages import question_messages
 from epd.transport import convert
 from epd.transport.load import fetch_loads
-from epd.transport.remote_stages import RemoteEncodeStage, RemotePrefillStage, ReplicaPool
+from epd.transport.remote_encode import RemoteEncodeStage
+from epd.transport.remote_prefill import RemotePrefillStage
+from epd.transport.replica_pool import ReplicaPool
 from epd.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from epd.video.types import SamplingOptions
 from tests.stack import ROOT, Stack, VerboseStack, child_env, free_port, wait_until

@@ -27,7 +27,8 @@ from epd.cli.leftovers import remove_dead_stacks
 from epd.cli.serve import EXIT_MODEL, STACK_DIR_PREFIX
 from epd.model_runtime.threads import BOARD_PREFIX, OPENMP_WAIT_SETTINGS, board_directory, stack_board_name
 from epd.stages.contracts import MediaInput
-from epd.transport.remote_stages import RemoteEncodeStage, ReplicaPool
+from epd.transport.remote_encode import RemoteEncodeStage
+from epd.transport.replica_pool import ReplicaPool
 from epd.video.types import SamplingOptions
 from tests.stack import (
     INSECURE_STAGE,

@@ -597,7 +597,8 @@ def test_a_prefill_call_cancelled_as_its_answer_goes_out_is_released_by_the_call
 
     from epd.prefill_svc.config import PrefillConfig
     from epd.prefill_svc.servicer import PrefillServicer
-    from epd.transport.remote_stages import RemotePrefillStage, ReplicaPool
+    from epd.transport.remote_prefill import RemotePrefillStage
+    from epd.transport.replica_pool import ReplicaPool
     from epd.v1 import prefill_pb2_grpc
 
     store: KvStore = embedded.prefill.kv_store
@@ -661,7 +662,8 @@ def test_a_malformed_prefill_answer_is_internal_and_its_kv_cache_released(
     from epd.prefill_svc.servicer import PrefillServicer
     from epd.transport import convert
     from epd.transport.errors import status_of
-    from epd.transport.remote_stages import RemotePrefillStage, ReplicaPool
+    from epd.transport.remote_prefill import RemotePrefillStage
+    from epd.transport.replica_pool import ReplicaPool
     from epd.v1 import prefill_pb2_grpc
 
     store: KvStore = embedded.prefill.kv_store
@@ -723,7 +725,8 @@ def test_a_decoder_that_fails_before_pulling_leaves_no_kv_cache(embedded, videos
     """A real remote decode stage refuses the in-process handle (it has no kv_address) before
     pulling: the pipeline must release the cache prefill stored."""
     from epd.gateway.pipeline import Pipeline
-    from epd.transport.remote_stages import RemoteDecodeStage, ReplicaPool
+    from epd.transport.remote_decode import RemoteDecodeStage
+    from epd.transport.replica_pool import ReplicaPool
 
     store: KvStore = embedded.prefill.kv_store
 

@@ -26,7 +26,9 @@ from epd.stages.contracts import PrefillHandle
 from epd.stages.server_config import ServerConfig, TransportSecurity
 from epd.transport import security
 from epd.transport.errors import UpstreamError
-from epd.transport.remote_stages import RemoteDecodeStage, RemotePrefillStage, ReplicaPool
+from epd.transport.remote_decode import RemoteDecodeStage
+from epd.transport.remote_prefill import RemotePrefillStage
+from epd.transport.replica_pool import ReplicaPool
 from epd.transport.server import create_server
 from epd.v1 import prefill_pb2
 

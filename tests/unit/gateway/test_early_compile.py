@@ -21,7 +21,8 @@ from epd.stages.contracts import MediaInput
 from epd.stages.messages import question_messages
 from epd.transport.affinity import prefill_key
 from epd.transport.errors import UpstreamError
-from epd.transport.remote_stages import RemotePrefillStage, ReplicaPool
+from epd.transport.remote_prefill import RemotePrefillStage
+from epd.transport.replica_pool import ReplicaPool
 from epd.v1 import prefill_pb2_grpc
 
 GOOD = StructuredOutputs(regex="(red|blue) circle")
@@ -111,7 +112,7 @@ def test_a_constraints_refusal_is_the_stages_error_and_other_failures_leave_it_t
             server, address = await serving
             prefill = RemotePrefillStage(ReplicaPool([address]), 5.0)
             try:
-                with caplog.at_level(logging.WARNING, logger="epd.transport.remote_stages"):
+                with caplog.at_level(logging.WARNING, logger="epd.transport.remote_prefill"):
                     await prefill.compile_structured_outputs(BAD, messages, media, "r3")
             finally:
                 await server.stop(None)

@@ -19,7 +19,8 @@ from epd.prefill_svc.kv_store import KvStore
 from epd.prefill_svc.servicer import PrefillServicer
 from epd.stages.model_info import ModelInfo, common_model_info
 from epd.transport.model_info import model_info_from_proto, model_info_to_proto
-from epd.transport.remote_stages import RemotePrefillStage, ReplicaPool
+from epd.transport.remote_prefill import RemotePrefillStage
+from epd.transport.replica_pool import ReplicaPool
 from epd.v1 import prefill_pb2_grpc
 
 QWEN = ModelInfo(

@@ -19,7 +19,7 @@ from epd.gateway.readiness import StageHealth
 from epd.gateway.replica_list import ReplicaFileError, ReplicaListWatcher, ReplicaUpdater, parse_replicas
 from epd.gateway.server import stage_addresses
 from epd.stages.server_config import ServerConfig
-from epd.transport.remote_stages import ReplicaPool
+from epd.transport.replica_pool import ReplicaPool
 from epd.transport.server import create_server
 
 
@@ -90,7 +90,7 @@ def test_the_watcher_applies_changes_and_keeps_routing_on_a_bad_file(tmp_path):
 _SIGHUP_AFTER_THE_WATCHER = """
 import asyncio, os, signal, sys
 from epd.gateway.replica_list import ReplicaListWatcher, ReplicaUpdater
-from epd.transport.remote_stages import ReplicaPool
+from epd.transport.replica_pool import ReplicaPool
 
 async def main():
     pool = ReplicaPool(["e1:1"])

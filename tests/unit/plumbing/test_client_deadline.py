@@ -17,7 +17,9 @@ import grpc
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import PrefillHandle
 from epd.stages.deadline import client_time_left_s, set_client_deadline, timeout_within_client_deadline
-from epd.transport.remote_stages import RemoteDecodeStage, RemotePrefillStage, ReplicaPool
+from epd.transport.remote_decode import RemoteDecodeStage
+from epd.transport.remote_prefill import RemotePrefillStage
+from epd.transport.replica_pool import ReplicaPool
 from epd.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.unit.plumbing.grpc_fakes import start_server, unary
 

@@ -15,7 +15,7 @@ from epd.gateway.config import GatewayConfig
 from epd.gateway.readiness import StageHealth
 from epd.transport.affinity import rendezvous_order
 from epd.transport.errors import UpstreamError
-from epd.transport.remote_stages import ReplicaPool
+from epd.transport.replica_pool import ReplicaPool
 from tests.stack import free_port
 from tests.unit.plumbing.grpc_fakes import SERVICE, start_server, unary
 
@@ -198,7 +198,7 @@ def _prefill_replicas(turns) -> tuple[dict[str, str], list[str]]:
     who got which request: ({request id: replica address}, the addresses)."""
     from epd.model_runtime.sampling import GenerationConfig
     from epd.stages.messages import ChatTemplateOptions
-    from epd.transport.remote_stages import RemotePrefillStage
+    from epd.transport.remote_prefill import RemotePrefillStage
     from epd.v1 import prefill_pb2
 
     got: dict[str, str] = {}

@@ -10,7 +10,7 @@ import asyncio
 import grpc
 import pytest
 
-from epd.transport.remote_stages import ReplicaPool
+from epd.transport.replica_pool import ReplicaPool
 from tests.unit.plumbing.grpc_fakes import SERVICE, connected, start_server, unary
 
 HANG_GUARD_S = 30.0

@@ -18,7 +18,8 @@ import pytest
 from epd.decode_svc import kv_pull
 from epd.decode_svc.kv_pull import KvPuller
 from epd.stages.contracts import MediaInput
-from epd.transport.remote_stages import RemoteEncodeStage, ReplicaPool
+from epd.transport.remote_encode import RemoteEncodeStage
+from epd.transport.replica_pool import ReplicaPool
 from epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, prefill_pb2
 from epd.video.types import SamplingOptions
 from tests.unit.plumbing.grpc_fakes import connected

@@ -19,7 +19,8 @@ from epd.stages.engine_core import EngineLoad
 from epd.stages.errors import Busy, ResourceExhausted
 from epd.transport.errors import UpstreamError, rpc_errors
 from epd.transport.load_servicer import with_load_service
-from epd.transport.remote_stages import RemoteDecodeStage, ReplicaPool
+from epd.transport.remote_decode import RemoteDecodeStage
+from epd.transport.replica_pool import ReplicaPool
 from epd.v1 import decode_pb2, decode_pb2_grpc
 from epd.video.decord_backend import DECODER_CRASHED
 from epd.video.types import DecoderCrashed
@@ -259,7 +260,7 @@ def test_a_decode_replica_removed_while_a_stream_waits_gets_no_retry(monkeypatch
     """As for encode and prefill: the decode retry skips a replica the replica file removed."""
     import types
 
-    import epd.transport.remote_stages as remote_stages
+    import epd.transport.remote_decode as remote_decode
 
     async def scenario():
         calls: list[str] = []
@@ -273,7 +274,7 @@ def test_a_decode_replica_removed_while_a_stream_waits_gets_no_retry(monkeypatch
                 raise AssertionError("a decode call on a removed replica's channel")
             return decode_pb2_grpc.DecodeServiceStub(channel)
 
-        monkeypatch.setattr(remote_stages, "decode_pb2_grpc", types.SimpleNamespace(DecodeServiceStub=stub))
+        monkeypatch.setattr(remote_decode, "decode_pb2_grpc", types.SimpleNamespace(DecodeServiceStub=stub))
         stage = RemoteDecodeStage(pool, TIMEOUT_S)
 
         async def remove_second() -> None:

@@ -11,7 +11,8 @@ import pytest
 from epd.stages.contracts import PrefillHandle
 from epd.stages.errors import EpdError
 from epd.transport.channel_cache import ChannelCache
-from epd.transport.remote_stages import RemotePrefillStage, ReplicaPool
+from epd.transport.remote_prefill import RemotePrefillStage
+from epd.transport.replica_pool import ReplicaPool
 from tests.stack import free_port
 
 CLOSED: list[str] = []
