@@ -20,10 +20,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from epd.gateway.ask_types import AskSummary, PromptLogprobs
 from epd.gateway.completions_protocol import text_completion_chunk
 from epd.gateway.logprobs_protocol import completion_logprobs
 from epd.gateway.openai_protocol import ChatRequest, chunk_body, epd_details, shows_token_ids, usage
-from epd.gateway.pipeline import AskSummary, PromptLogprobs
 from epd.gateway.reasoning import MarkerIds, ReasoningStream, delta_fields
 from epd.gateway.tool_parsers.answer import ToolAnswerStream, tool_finish_reason
 from epd.model_runtime.detokenizer import StopReason

@@ -21,6 +21,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from epd.gateway.ask_types import AskSummary
 from epd.gateway.json_fields import INT32_MAX, TOKEN_ID, boolean_field, checked_text, lax_int, number_item
 from epd.gateway.logprobs_protocol import (
     completion_logprobs,
@@ -37,7 +38,6 @@ from epd.gateway.openai_protocol import (
     refuse_unsupported_fields,
     usage,
 )
-from epd.gateway.pipeline import AskSummary
 from epd.model_runtime.detokenizer import StopReason
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest
@@ -99,7 +99,7 @@ def parse_completion_request(
     if echo and logprobs is not None:
         # vLLM's: the choice's logprobs list the prompt's tokens first, so echo asks for the
         # prompt's logprobs (prompt_logprobs, when unset, is logprobs); streamed, the echo's chunk
-        # carries them (`epd.gateway.pipeline.PromptLogprobs`).
+        # carries them (`epd.gateway.ask_types.PromptLogprobs`).
         if generation.prompt_logprobs is None:
             options["generation"] = replace(generation, prompt_logprobs=logprobs)
     check_raw_prompt(prompt)

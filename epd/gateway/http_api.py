@@ -67,6 +67,7 @@ from epd.gateway.admission import (
     max_body_bytes,
     peer_host,
 )
+from epd.gateway.ask_types import AskRequest, AskSummary, PipelineEvent
 from epd.gateway.browser_guard import cross_site_browser_request, rebound_host
 from epd.gateway.chat_chunks import ChatChunks
 from epd.gateway.completions_protocol import (
@@ -96,12 +97,7 @@ from epd.gateway.openai_protocol import (
     http_error_of,
     parse_chat_request,
 )
-from epd.gateway.pipeline import (
-    AskRequest,
-    AskSummary,
-    Pipeline,
-    PipelineEvent,
-)
+from epd.gateway.pipeline import Pipeline
 from epd.gateway.protocol_log import CLIENT_FAULTS, PROTOCOL_LOG
 from epd.gateway.readiness import InProcessHealth, StageHealth
 from epd.gateway.reasoning import (

@@ -42,6 +42,7 @@ from typing import Any
 
 import grpc
 
+from epd.gateway.ask_types import AskSummary, ChoiceSummary
 from epd.gateway.json_fields import (
     INT32_MAX,
     INT64_MAX,
@@ -62,7 +63,6 @@ from epd.gateway.logprobs_protocol import (
     prompt_logprobs_json,
     prompt_logprobs_option,
 )
-from epd.gateway.pipeline import AskSummary, ChoiceSummary
 from epd.gateway.reasoning import MarkerIds, PartedAnswers, message_fields, part_answers
 from epd.gateway.structured_request import STRUCTURED_FIELDS, parse_structured_outputs
 from epd.gateway.tool_parsers.answer import answer_tool_calls, tool_finish_reason

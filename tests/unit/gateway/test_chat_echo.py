@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from epd.client import build_header
+from epd.gateway.ask_types import AskSummary
 from epd.gateway.completions_protocol import parse_completion_request
 from epd.gateway.openai_protocol import completion_body, http_status_of, parse_chat_request
-from epd.gateway.pipeline import AskSummary
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest
 from epd.transport.errors import status_of

@@ -2,8 +2,8 @@
 
 import pytest
 
+from epd.gateway.ask_types import AskSummary
 from epd.gateway.openai_protocol import kept_token_grid, parse_chat_request
-from epd.gateway.pipeline import AskSummary
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest
 from epd.video.types import SamplingOptions

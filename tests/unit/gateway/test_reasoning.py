@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
+from epd.gateway.ask_types import AskSummary, ChoiceSummary
 from epd.gateway.config import HttpApiConfig
 from epd.gateway.openai_protocol import completion_body, parse_chat_request
-from epd.gateway.pipeline import AskSummary, ChoiceSummary
 from epd.gateway.reasoning import (
     MarkerIds,
     ReasoningSplit,

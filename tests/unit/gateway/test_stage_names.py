@@ -10,8 +10,8 @@ from pathlib import Path
 
 from epd.client import Stage
 from epd.client.types import result_from_proto
+from epd.gateway.ask_types import AskSummary
 from epd.gateway.openai_protocol import epd_details
-from epd.gateway.pipeline import AskSummary
 from epd.gateway.servicer import summary_to_proto
 from epd.model_runtime.logprobs import TokenLogprob, TopLogprob
 from epd.stages.names import TIMED_STAGES, TIMING_NAMES, timings_from_either, timings_with_legacy_names
