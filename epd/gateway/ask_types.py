@@ -1,7 +1,7 @@
 """What a pipeline run takes and yields: the request (`AskRequest`), the events it streams
 (`PipelineEvent`: stage events, the prompt's logprobs, token steps) and its summary (`AskSummary`,
-one `ChoiceSummary` per choice). Both front doors, the CLI and the SDK's tests build and read these;
-`epd.gateway.pipeline` runs them."""
+one `ChoiceSummary` per choice). `epd.gateway.pipeline` runs them; the front doors (the gRPC
+servicer, the HTTP API) and `epd ask` build the requests and read what comes back."""
 
 from __future__ import annotations
 

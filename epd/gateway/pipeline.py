@@ -17,7 +17,8 @@ most one cache and only while it is in flight.
 The first token goes to the consumer as soon as prefill answers (`PrefillHandle.first_text`: the
 token and the text the decoder's first step will carry), not once a decoder has pulled the cache
 and admitted the request; the decoder's stream then goes on from the second token. So a request
-that prefill answered is not failed when every decoder is full: it waits for room (`epd.gateway.decode_room`).
+that prefill answered is not failed when every decoder is full: it waits for room
+(`epd.gateway.decode_room`).
 """
 
 from __future__ import annotations
