@@ -29,8 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_pruning import SPEC  # noqa: E402
+from epd.gateway.ask_types import AskRequest, AskSummary  # noqa: E402
 from epd.gateway.embedded import build_embedded_pipeline  # noqa: E402
-from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline  # noqa: E402
+from epd.gateway.pipeline import Pipeline  # noqa: E402
 from epd.model_runtime.config import ModelConfig  # noqa: E402
 from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs  # noqa: E402
 from epd.model_runtime.tiny_model import build_checkpoint  # noqa: E402

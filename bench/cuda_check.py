@@ -56,13 +56,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import bench_decode_batch  # noqa: E402
 from bench.bench_pruning import SPEC  # noqa: E402
 from bench.bench_vs_transformers_serve import make_clips  # noqa: E402
+from epd.gateway.ask_types import AskRequest, AskSummary  # noqa: E402
 from epd.gateway.embedded import build_embedded_pipeline  # noqa: E402
-from epd.gateway.pipeline import AskRequest, AskSummary, TokenStep  # noqa: E402
 from epd.model_runtime.config import ModelConfig  # noqa: E402
 from epd.model_runtime.loader import load_adapter  # noqa: E402
 from epd.model_runtime.sampling import GenerationConfig  # noqa: E402
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint  # noqa: E402
-from epd.stages.contracts import MediaInput  # noqa: E402
+from epd.stages.contracts import MediaInput, TokenStep  # noqa: E402
 from epd.stages.messages import question_messages  # noqa: E402
 from epd.video import simple_decoder  # noqa: E402
 from epd.video.types import SamplingOptions  # noqa: E402

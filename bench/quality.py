@@ -171,7 +171,7 @@ def _row(preset: str, qtype: str, group: list[Answer]) -> dict:
 
 def pruning_supported() -> bool:
     """True once the pipeline's AskRequest takes a `pruning` option."""
-    from epd.gateway.pipeline import AskRequest
+    from epd.gateway.ask_types import AskRequest
 
     return "pruning" in {f.name for f in dataclasses.fields(AskRequest)}
 
@@ -228,7 +228,7 @@ def _retained_tokens(summary) -> tuple[int, int]:
 async def _run_preset(pipeline, preset: str, records, data_dir: Path, config: QualityConfig) -> PresetResult:
     from tqdm import tqdm
 
-    from epd.gateway.pipeline import AskRequest, AskSummary
+    from epd.gateway.ask_types import AskRequest, AskSummary
     from epd.model_runtime.sampling import GenerationConfig
     from epd.stages.contracts import MediaInput
     from epd.stages.errors import InvalidRequest

@@ -506,8 +506,8 @@ def run_hf_baseline(args, inputs, progress) -> tuple[list[RequestResult], float]
 
 
 def run_embedded_baseline(args, inputs, progress) -> tuple[list[RequestResult], float]:
+    from epd.gateway.ask_types import AskRequest
     from epd.gateway.embedded import build_embedded_pipeline
-    from epd.gateway.pipeline import AskRequest
     from epd.model_runtime.config import ModelConfig
     from epd.model_runtime.sampling import GenerationConfig
     from epd.stages.contracts import MediaInput, TokenStep

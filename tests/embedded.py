@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline
+from epd.gateway.ask_types import AskRequest, AskSummary
+from epd.gateway.pipeline import Pipeline
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MediaInput
 from epd.stages.messages import question_messages

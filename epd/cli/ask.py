@@ -66,8 +66,9 @@ if TYPE_CHECKING:
     from epd.cli.ask_tools import AskTools
     from epd.client import AskResult, StreamEvent
     from epd.client import StageEvent as ClientStageEvent
+    from epd.gateway.ask_types import AskSummary
     from epd.gateway.embedded import EmbeddedPipeline
-    from epd.gateway.pipeline import AskSummary, Pipeline
+    from epd.gateway.pipeline import Pipeline
     from epd.model_runtime.config import ModelConfig
     from epd.model_runtime.logprobs import TokenLogprob
     from epd.prefill_svc.config import PrefillConfig
@@ -607,7 +608,7 @@ async def _embedded_stream(
     from epd.cli import configs
     from epd.client import StageEvent as ClientStageEvent
     from epd.client import TokenDelta
-    from epd.gateway.pipeline import AskRequest, AskSummary
+    from epd.gateway.ask_types import AskRequest, AskSummary
     from epd.stages.contracts import MediaInput, StageEvent, TokenStep
     from epd.stages.messages import ChatTemplateOptions
     from epd.stages.names import Stage

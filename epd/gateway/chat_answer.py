@@ -10,8 +10,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from epd.gateway.ask_types import AskSummary, ChoiceSummary
 from epd.gateway.logprobs_protocol import chat_logprobs, prompt_logprobs_json
-from epd.gateway.pipeline import AskSummary, ChoiceSummary
 from epd.gateway.reasoning import MarkerIds, PartedAnswers, message_fields, part_answers
 from epd.gateway.summary_fields import epd_details, usage
 from epd.gateway.tool_parsers.answer import answer_tool_calls, tool_finish_reason

@@ -20,11 +20,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from epd.gateway.ask_types import AskSummary, PromptLogprobs
 from epd.gateway.chat_answer import shows_token_ids
 from epd.gateway.chat_request import ChatRequest
 from epd.gateway.completions_protocol import text_completion_chunk
 from epd.gateway.logprobs_protocol import chat_logprobs, completion_logprobs
-from epd.gateway.pipeline import AskSummary, PromptLogprobs
 from epd.gateway.reasoning import MarkerIds, ReasoningStream, delta_fields
 from epd.gateway.summary_fields import epd_details, usage
 from epd.gateway.tool_parsers.answer import ToolAnswerStream, tool_finish_reason

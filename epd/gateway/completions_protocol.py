@@ -21,6 +21,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from epd.gateway.ask_types import AskSummary
 from epd.gateway.chat_request import ChatRequest, answer_options
 from epd.gateway.json_fields import INT32_MAX, TOKEN_ID, boolean_field, checked_text, lax_int, number_item
 from epd.gateway.logprobs_protocol import (
@@ -28,7 +29,6 @@ from epd.gateway.logprobs_protocol import (
     completion_logprobs_option,
     prompt_logprobs_json,
 )
-from epd.gateway.pipeline import AskSummary
 from epd.gateway.request_fields import (
     KNOWN_CHAT_FIELDS,
     UNSUPPORTED_CHAT_FIELDS,
@@ -97,7 +97,7 @@ def parse_completion_request(
     if echo and logprobs is not None:
         # vLLM's: the choice's logprobs list the prompt's tokens first, so echo asks for the
         # prompt's logprobs (prompt_logprobs, when unset, is logprobs); streamed, the echo's chunk
-        # carries them (`epd.gateway.pipeline.PromptLogprobs`).
+        # carries them (`epd.gateway.ask_types.PromptLogprobs`).
         if generation.prompt_logprobs is None:
             options["generation"] = replace(generation, prompt_logprobs=logprobs)
     check_raw_prompt(prompt)

@@ -67,6 +67,7 @@ from epd.gateway.admission import (
     max_body_bytes,
     peer_host,
 )
+from epd.gateway.ask_types import AskRequest, AskSummary, PipelineEvent
 from epd.gateway.browser_guard import cross_site_browser_request, rebound_host
 from epd.gateway.chat_answer import completion_body
 from epd.gateway.chat_chunks import ChatChunks
@@ -92,12 +93,7 @@ from epd.gateway.http_errors import error_body, http_error_of
 from epd.gateway.json_answer import json_answer
 from epd.gateway.media_fetch import decode_data_url, load_media
 from epd.gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from epd.gateway.pipeline import (
-    AskRequest,
-    AskSummary,
-    Pipeline,
-    PipelineEvent,
-)
+from epd.gateway.pipeline import Pipeline
 from epd.gateway.protocol_log import CLIENT_FAULTS, PROTOCOL_LOG
 from epd.gateway.readiness import InProcessHealth, StageHealth
 from epd.gateway.reasoning import (

@@ -24,8 +24,9 @@ from prometheus_client import (
     generate_latest,
 )
 
+from epd.gateway.ask_types import AskRequest, AskSummary, PipelineEvent
 from epd.gateway.engine_load import LOAD_TIMEOUT_S, EngineLoadCollector, sources_of
-from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline, PipelineEvent
+from epd.gateway.pipeline import Pipeline
 from epd.gateway.shutdown import current_call
 from epd.stages.contracts import StageEvent, TokenStep
 from epd.stages.messages import media_type

@@ -17,7 +17,8 @@ most one cache and only while it is in flight.
 The first token goes to the consumer as soon as prefill answers (`PrefillHandle.first_text`: the
 token and the text the decoder's first step will carry), not once a decoder has pulled the cache
 and admitted the request; the decoder's stream then goes on from the second token. So a request
-that prefill answered is not failed when every decoder is full: it waits for room (`_decode`).
+that prefill answered is not failed when every decoder is full: it waits for room
+(`epd.gateway.decode_room`).
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from epd.model_runtime.detokenizer import StopReason
-from epd.model_runtime.logprobs import TokenLogprob
+from epd.gateway.ask_types import AskRequest, AskSummary, Emit, PipelineEvent, PromptLogprobs
+from epd.gateway.choice_progress import ChoiceProgress, after_sent, first_logprob
+from epd.gateway.decode_room import DECODE_ROOM_WAIT_S, decode_when_room
+from epd.gateway.kv_release import RELEASES_WAIT_S, release_kv, release_outcome, wait_for_releases
 from epd.model_runtime.sampling import MAX_NEW_TOKENS, GenerationConfig
 from epd.stages.chat_template import refuse_untrusted
 from epd.stages.contracts import (
@@ -46,141 +49,17 @@ from epd.stages.contracts import (
     check_request_priority,
     pruning_stages_used,
 )
-from epd.stages.errors import EpdError, InvalidRequest, KvSourceLost
+from epd.stages.errors import InvalidRequest, KvSourceLost
 from epd.stages.events import Finished, with_events
-from epd.stages.messages import ChatTemplateOptions, Message, check_messages, media_type
+from epd.stages.messages import ChatTemplateOptions, check_messages, media_type
 from epd.stages.model_info import ModelInfo
 from epd.stages.names import TIMING_NAMES, TOTAL, TTFT, Stage
-from epd.stages.raw_prompt import RawPrompt, check_raw_prompt
+from epd.stages.raw_prompt import check_raw_prompt
 from epd.stages.tokenize import MAX_DETOKENIZE_TOKENS, TokenizeAnswer, TokenizeInput, check_token_ids
-from epd.token_pruning import PruningConfig, PruningStats
+from epd.token_pruning import PruningStats
 from epd.transport import tracing
-from epd.video.types import SamplingOptions
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class AskRequest:
-    messages: list[Message]
-    """The conversation (`epd.stages.messages`), parts in the user's order, at most one media
-    part; `question_messages(q)` is 0.1's single question, [media, q]."""
-    media: MediaInput | None = None
-    """The media of the messages' media part; None (or nothing in it) when they have none."""
-    sampling: SamplingOptions = field(default_factory=SamplingOptions)
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    request_id: str = ""
-    pruning: PruningConfig = field(default_factory=PruningConfig)
-    """Token dropping and KV compression; all off by default (exact tokens)."""
-    cache_salt: str = ""
-    """The tenant (`epd.transport.auth.tenant_cache_salt`): part of the encoder's token-cache key
-    and prefill's prefix-cache key; "" = the shared tenant."""
-    raw_prompt: RawPrompt | None = None
-    """Instead of `messages` (then []): a prompt run as it is, without the chat template
-    (`epd.stages.raw_prompt`; the HTTP API's /v1/completions). It takes no media."""
-    template: ChatTemplateOptions = field(default_factory=ChatTemplateOptions)
-    """How the chat template ends the prompt of `messages`: a new answer (the default), or the
-    assistant's last message left open for the model to continue (vLLM's continue_final_message)."""
-
-
-@dataclass
-class AskSummary:
-    request_id: str
-    answer: str
-    token_ids: list[int]
-    finish_reason: str
-    num_frames: int
-    num_visual_tokens: int
-    num_prompt_tokens: int
-    timings_ms: dict[str, float]
-    """Milliseconds by `epd.stages.names.TIMING_NAMES` (video_decode, encode, ..., ttft, total):
-    every name in every answer, 0 for a stage the request did not run (a text-only request's
-    video_decode and encode), so that a client reading one answer's keys can read them all."""
-    kv_num_bytes: int
-    encoder_cache_hit: bool
-    media_sha256: str
-    frame_timestamps_s: list[float]
-    pruning: PruningStats = field(default_factory=PruningStats)
-    grid_thw: tuple[int, int, int] = (0, 0, 0)
-    kept_visual_token_index: list[int] = field(default_factory=list)
-    num_reused_prompt_tokens: int = 0
-    """Prompt tokens whose KV prefill took from its prefix cache (earlier turns about the same media)."""
-    stop_reason: StopReason = None
-    """vLLM's: the stop string or stop token id that ended the answer; None when the
-    end-of-sequence token or the length limit did (`OutputText.stop_reason`)."""
-    logprobs: list[TokenLogprob] | None = None
-    """One per token of `token_ids` when the request asked (`GenerationConfig.logprobs`), else None;
-    choice 0's, as `answer` above."""
-    prompt_logprobs: Sequence[TokenLogprob] | None = None
-    """vLLM's `prompt_logprobs`, when the request asked (`GenerationConfig.prompt_logprobs`): the
-    prompt's tokens, each after the first with its log-probability given the tokens before it,
-    its rank and the top k there (the first's logprob is NaN: nothing comes before it); else None."""
-    choices: list[ChoiceSummary] = field(default_factory=list)
-    """Every choice of the request (OpenAI's `n`), by index; `answer`, `token_ids`,
-    `finish_reason`, `stop_reason` and `logprobs` above are choice 0's. Empty from a summary made
-    elsewhere (the SDK's, a test's): `all_choices` gives choice 0 then."""
-
-    def all_choices(self) -> list[ChoiceSummary]:
-        return self.choices or [
-            ChoiceSummary(0, self.answer, self.token_ids, self.finish_reason, self.stop_reason, self.logprobs)
-        ]
-
-
-@dataclass
-class ChoiceSummary:
-    """One choice's answer (a request asks for n of them, all from one prefill)."""
-
-    index: int
-    answer: str
-    token_ids: list[int]
-    finish_reason: str
-    stop_reason: StopReason = None
-    logprobs: list[TokenLogprob] | None = None
-    """One per token of `token_ids` when the request asked, else None."""
-
-
-@dataclass
-class _Choice:
-    """A choice's answer so far, and how far its decoder got (`Pipeline._run`)."""
-
-    index: int
-    logprobs: list[TokenLogprob] | None = None
-    """[] when the request asked for logprobs: one per token of `token_ids` as they come."""
-    token_ids: list[int] = field(default_factory=list)
-    text_parts: list[str] = field(default_factory=list)
-    finish_reason: str = ""
-    stop_reason: StopReason = None
-    sent: TokenStep | None = None
-    """The first token, sent from prefill's handle."""
-    source: PrefillHandle | None = None
-    """The handle whose cache its decoder pulled (set at the decoder's first step, which comes
-    only after the pull); None while it has none."""
-    ended: bool = False
-    """The decoder's stream ran to its end."""
-    kv_num_bytes_pulled: int = 0
-    """What its decoder pulled from a prefill server (0: taken in-process)."""
-
-    @property
-    def taken(self) -> bool:
-        return self.source is not None
-
-    def add(self, step: TokenStep) -> None:
-        self.token_ids += step.token_ids
-        if self.logprobs is not None:
-            self.logprobs += _step_logprobs(step)
-        self.text_parts.append(step.text)
-        if step.finish_reason:
-            self.finish_reason, self.stop_reason = step.finish_reason, step.stop_reason
-
-    def summary(self) -> ChoiceSummary:
-        return ChoiceSummary(
-            self.index,
-            "".join(self.text_parts),
-            self.token_ids,
-            self.finish_reason,
-            self.stop_reason,
-            self.logprobs,
-        )
 
 
 async def _all_of(runs: list[Coroutine[Any, Any, None]]) -> None:
@@ -202,21 +81,6 @@ async def _all_of(runs: list[Coroutine[Any, Any, None]]) -> None:
                 task.exception()
 
 
-@dataclass(frozen=True)
-class PromptLogprobs:
-    """The prompt's logprobs (`AskSummary.prompt_logprobs`, the same list), sent once prefill has
-    them, before the answer's first token, for a request that asked (`GenerationConfig.prompt_logprobs`):
-    what a streamed legacy completion with `echo` and `logprobs` begins with, as vLLM streams it,
-    and what the gRPC Ask stream sends, in pieces (`AskResponse.prompt_logprobs`). Other consumers
-    may skip it (the summary has the list too)."""
-
-    prompt_logprobs: Sequence[TokenLogprob]
-
-
-PipelineEvent = StageEvent | PromptLogprobs | TokenStep | AskSummary
-Emit = Callable[[StageEvent | PromptLogprobs | TokenStep], None]
-
-
 @dataclass
 class _Run:
     """What every choice of one request shares (`Pipeline._run`)."""
@@ -226,13 +90,6 @@ class _Run:
     emit: Emit
     timings: dict[str, float]
     elapsed_ms: Callable[[], float]
-
-
-DECODE_ROOM_WAIT_S = 60.0
-"""How long a prefilled request waits for a decoder with room (`Pipeline._decode`): half of
-prefill's default --kv-ttl, so the cache it waits with is still stored when room comes."""
-_ROOM_FIRST_DELAY_S = 0.05
-_ROOM_MAX_DELAY_S = 1.0
 
 
 class Pipeline:
@@ -403,7 +260,8 @@ class Pipeline:
         # idempotent); the choices whose decoders have it go on (`_run_choice`).
         asked_logprobs = req.generation.logprobs is not None
         choices = [
-            _Choice(index, logprobs=[] if asked_logprobs else None) for index in range(req.generation.n)
+            ChoiceProgress(index, logprobs=[] if asked_logprobs else None)
+            for index in range(req.generation.n)
         ]
         handles: list[PrefillHandle] = []  # the first prefill's, and at most one more
         prefilling_again = asyncio.Lock()
@@ -437,7 +295,7 @@ class Pipeline:
             )
             return handle
 
-        async def prefill_again(choice: _Choice, lost: KvSourceLost) -> PrefillHandle:
+        async def prefill_again(choice: ChoiceProgress, lost: KvSourceLost) -> PrefillHandle:
             """The second prefill's handle, made by the first choice that lost the first one's
             cache; a choice that loses it later takes the same one (the request is prefilled
             again once). `lost` is raised when it samples another first token for `choice` than
@@ -487,7 +345,7 @@ class Pipeline:
             # had the first) is kept for n pulls and pulled by fewer: released here too.
             for handle in handles:
                 if not all(c.source is handle and c.ended for c in choices):
-                    await self._release(handle, request_id)
+                    await release_kv(self.prefill, handle, request_id)
         num_tokens = sum(len(c.token_ids) for c in choices)
         transfer_bytes += sum(c.kv_num_bytes_pulled for c in choices)
         timings[Stage.GENERATE.value] = (time.perf_counter() - t_gen) * 1e3
@@ -528,7 +386,7 @@ class Pipeline:
             prompt_logprobs=handle.prompt_logprobs,
         )
 
-    def _send_first(self, run: _Run, handle: PrefillHandle, choice: _Choice) -> None:
+    def _send_first(self, run: _Run, handle: PrefillHandle, choice: ChoiceProgress) -> None:
         """Send choice `choice`'s first token from prefill's `handle` now, not once a decoder has
         pulled the cache and admitted the request (the KV transfer, and the admission's wait for
         the model thread); the decoder's first step, the same token, is not sent again. Nothing
@@ -540,7 +398,7 @@ class Pipeline:
         choice.sent = TokenStep(
             [first.first_token_id],
             first.first_text,
-            logprobs=None if run.req.generation.logprobs is None else [_first_logprob(first)],
+            logprobs=None if run.req.generation.logprobs is None else [first_logprob(first)],
             index=choice.index,
         )
         run.timings.setdefault(TTFT, run.elapsed_ms())
@@ -551,8 +409,8 @@ class Pipeline:
         self,
         run: _Run,
         handle: PrefillHandle,
-        choice: _Choice,
-        prefill_again: Callable[[_Choice, KvSourceLost], Coroutine[Any, Any, PrefillHandle]],
+        choice: ChoiceProgress,
+        prefill_again: Callable[[ChoiceProgress, KvSourceLost], Coroutine[Any, Any, PrefillHandle]],
     ) -> None:
         """Choice `choice` from `handle`'s cache; when its decoder cannot pull it (KvSourceLost,
         which a decoder raises only before its first step), from the cache of `prefill_again`,
@@ -568,7 +426,7 @@ class Pipeline:
         await self._generate(run, again, choice, handle.pruning)
 
     async def _generate(
-        self, run: _Run, handle: PrefillHandle, choice: _Choice, pruning: PruningStats
+        self, run: _Run, handle: PrefillHandle, choice: ChoiceProgress, pruning: PruningStats
     ) -> None:
         """Choice `choice`'s decode request, from `handle`'s cache and the choice's first token,
         its steps emitted (tagged with its index) as they come; its decoder's eviction counted in
@@ -576,9 +434,13 @@ class Pipeline:
         req, timings = run.req, run.timings
         first = handle.for_choice(choice.index)
         generation = first.decode_generation(req.generation.for_choice(choice.index))
-        # aclosing: an error in this loop's body (`_after_sent`) must end the decoder's run now,
+        # aclosing: an error in this loop's body (`after_sent`) must end the decoder's run now,
         # freeing its batch row and KV reservation, not when the GC finds it.
-        async with aclosing(self._decode(first, generation, req, run.request_id)) as steps:
+        async with aclosing(
+            decode_when_room(
+                self.decoder, first, generation, run.request_id, req.pruning, self.decode_room_wait_s
+            )
+        ) as steps:
             async for step in steps:
                 if not choice.taken:
                     choice.source = handle
@@ -595,7 +457,7 @@ class Pipeline:
                     if handle.kv_address:  # pulled from a prefill server; not an in-process store's
                         choice.kv_num_bytes_pulled = step.kv_num_bytes
                     if choice.sent is not None:
-                        rest = _after_sent(step, choice.sent)
+                        rest = after_sent(step, choice.sent)
                         if rest is None:
                             continue  # it was only the token already sent
                         step = rest
@@ -670,64 +532,8 @@ class Pipeline:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
             call.cancel()
-            call.add_done_callback(self._release_outcome(request_id))
+            call.add_done_callback(release_outcome(self.prefill, request_id))
             raise
-
-    async def _decode(
-        self, handle: PrefillHandle, generation: GenerationConfig, req: AskRequest, request_id: str
-    ) -> AsyncGenerator[TokenStep, None]:
-        """The decoder's steps for a prefilled request. Every decoder full (`Busy`: its KV memory
-        and its wait queue) before the first step is not this request's end: its prefill ran, its
-        first token may be with the client already, and the full decoder took nothing (it reserves
-        room before it pulls a cache). So it is asked again, after 50 ms, 100 ms, ... 1 s, for up
-        to `decode_room_wait_s`, the cache waiting in prefill's KV store meanwhile (--kv-ttl,
-        120 s by default; one that expires is prefilled again, once, as a lost one is). Until then
-        the busy error is passed on (RESOURCE_EXHAUSTED, HTTP 429). What bounds the requests
-        waiting here is prefill's KV store (--kv-store-bytes): when it is full, prefill refuses new
-        requests before they have any token."""
-        waiting_since: float | None = None
-        delay_s = _ROOM_FIRST_DELAY_S
-        while True:
-            stepped = False
-            try:
-                generating = self.decoder.generate(handle, generation, request_id, req.pruning)
-                async with aclosing(generating) as steps:  # type: ignore[type-var]  # an async generator
-                    async for step in steps:
-                        stepped = True
-                        yield step
-                return
-            except EpdError as exc:
-                if stepped or getattr(exc, "retry_after_s", None) is None:
-                    raise
-                now = time.monotonic()
-                if waiting_since is None:
-                    waiting_since = now
-                    log.info(
-                        "request %s: every decoder is full; waiting up to %.0f s for room",
-                        request_id,
-                        self.decode_room_wait_s,
-                    )
-                if now - waiting_since + delay_s > self.decode_room_wait_s:
-                    raise
-            await asyncio.sleep(delay_s)
-            delay_s = min(2 * delay_s, _ROOM_MAX_DELAY_S)
-
-    def _release_outcome(self, request_id: str) -> Callable[[asyncio.Future], None]:
-        def done(call: asyncio.Future) -> None:
-            if not call.cancelled() and call.exception() is None:
-                release = asyncio.ensure_future(self.prefill.release(call.result(), request_id))
-                _in_flight.add(release)
-                release.add_done_callback(_release_done(request_id))
-
-        return done
-
-    async def _release(self, handle: PrefillHandle, request_id: str) -> None:
-        """Tell prefill to drop a cache no decoder took. Runs to the end even if this task is
-        cancelled (again) meanwhile; a failure is logged, not raised over the request's own error."""
-        release = asyncio.ensure_future(self.prefill.release(handle, request_id))
-        _in_flight.add(release)
-        release.add_done_callback(_release_done(request_id))
-        await asyncio.wait([release])  # unlike await, neither raises its error nor cancels it
 
 
 def check_media_sent(req: AskRequest) -> None:
@@ -745,72 +551,3 @@ def check_media_sent(req: AskRequest) -> None:
             "the request sends media but no message has a video or image part to place it; add one "
             '(a {"type": "video"} part in a user message, or use the question form), or send no media'
         )
-
-
-def _after_sent(step: TokenStep, sent: TokenStep) -> TokenStep | None:
-    """The decoder's first step without the token already sent from prefill's handle (None: nothing
-    is left to send). Prefill works that token's text out with the decoder's rules (`OutputText`),
-    so the step starts with it; anything else is a bug, and the stream stops rather than show the
-    client two versions of its answer."""
-    n = len(sent.token_ids)
-    if step.token_ids[:n] != sent.token_ids or not step.text.startswith(sent.text):
-        raise RuntimeError(
-            f"the decoder's first step ({step.token_ids[:n]}, {step.text!r}) does not start with the "
-            f"token sent from prefill ({sent.token_ids}, {sent.text!r})"
-        )
-    rest = replace(
-        step,
-        token_ids=step.token_ids[n:],
-        text=step.text[len(sent.text) :],
-        logprobs=None if step.logprobs is None else step.logprobs[n:],
-    )
-    return rest if rest.token_ids or rest.text or rest.finish_reason else None
-
-
-def _first_logprob(handle: PrefillHandle) -> TokenLogprob:
-    """The first token's logprob from prefill's handle, for a request that asked for logprobs."""
-    if handle.first_logprob is None or handle.first_logprob.token_id != handle.first_token_id:
-        raise RuntimeError("prefill answered a request that asked for logprobs without its first token's")
-    return handle.first_logprob
-
-
-def _step_logprobs(step: TokenStep) -> list[TokenLogprob]:
-    """A decoder step's logprobs, one per token, for a request that asked for them."""
-    if not step.token_ids:
-        return []
-    if step.logprobs is None or len(step.logprobs) != len(step.token_ids):
-        raise RuntimeError(
-            f"the decoder sent {len(step.token_ids)} tokens with "
-            f"{0 if step.logprobs is None else len(step.logprobs)} logprobs to a request that asked for them"
-        )
-    return step.logprobs
-
-
-_in_flight: set[asyncio.Future] = set()
-"""Releases still running, held here so that one outliving its cancelled request task is not
-garbage-collected half way."""
-
-
-RELEASES_WAIT_S = 5.0
-"""How long `Pipeline.aclose` waits for the KV releases still running (those of requests cut at
-the end of the drain) before the channels they use close; one still running then is cut, and the
-cache it meant to drop expires with prefill's --kv-ttl."""
-
-
-async def wait_for_releases(timeout_s: float) -> None:
-    """Until the KV releases running now end, or `timeout_s` passes."""
-    if _in_flight:
-        await asyncio.wait(set(_in_flight), timeout=timeout_s)
-
-
-def _release_done(request_id: str) -> Callable[[asyncio.Future], None]:
-    def done(release: asyncio.Future) -> None:
-        _in_flight.discard(release)
-        if not release.cancelled() and release.exception() is not None:
-            log.warning(
-                "could not release the KV cache of request %s (its TTL will): %r",
-                request_id,
-                release.exception(),
-            )
-
-    return done

@@ -40,9 +40,9 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from epd.gateway.ask_types import AskSummary
 from epd.gateway.chat_request import ChatRequest
 from epd.gateway.logprobs_protocol import chat_logprobs
-from epd.gateway.pipeline import AskSummary
 from epd.gateway.reasoning import MarkerIds, ReasoningStream
 from epd.gateway.summary_fields import epd_details
 from epd.gateway.tool_parsers.answer import ToolAnswerStream

@@ -11,9 +11,10 @@ from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 
 from epd.gateway.admission import Admission, Overloaded, Ticket, peer_host
+from epd.gateway.ask_types import AskRequest, AskSummary, PromptLogprobs
 from epd.gateway.config import GatewayConfig
 from epd.gateway.metrics import GatewayMetrics
-from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline, PromptLogprobs
+from epd.gateway.pipeline import Pipeline
 from epd.gateway.shutdown import Call, CallsInFlight
 from epd.stages.contracts import StageEvent, TokenStep, check_cache_salt
 from epd.stages.deadline import set_client_deadline

@@ -20,10 +20,10 @@ from typing import Any
 
 from aiohttp import web
 
+from epd.gateway.ask_types import AskSummary, PipelineEvent, PromptLogprobs
 from epd.gateway.chat_chunks import ChatChunks
 from epd.gateway.http_errors import error_body, http_error_of
 from epd.gateway.json_answer import json_bytes
-from epd.gateway.pipeline import AskSummary, PipelineEvent, PromptLogprobs
 from epd.gateway.responses_events import ResponseEvents
 from epd.gateway.shutdown import CallsInFlight, current_call
 from epd.stages.contracts import StageEvent, TokenStep

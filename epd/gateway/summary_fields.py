@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from epd.gateway.pipeline import AskSummary
+from epd.gateway.ask_types import AskSummary
 from epd.stages.names import timings_with_legacy_names
 
 

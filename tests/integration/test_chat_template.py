@@ -15,8 +15,8 @@ import pytest
 from jinja2.exceptions import SecurityError
 
 from epd.client import EpdClient
+from epd.gateway.ask_types import AskRequest
 from epd.gateway.embedded import build_embedded_pipeline
-from epd.gateway.pipeline import AskRequest
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
 from epd.model_runtime.tiny_model import CHAT_TEMPLATE

@@ -158,8 +158,8 @@ def test_an_embedded_pipelines_prefill_refuses_the_render_at_its_clients_deadlin
     the request ends DEADLINE_EXCEEDED, nothing prefilled nor decoded. Before, the local stages
     had no deadline: the render ran, and the prompt was prefilled and answered for a client long
     gone."""
+    from epd.gateway.ask_types import AskRequest
     from epd.gateway.embedded import build_embedded_pipeline
-    from epd.gateway.pipeline import AskRequest
     from epd.model_runtime.config import ModelConfig
     from epd.model_runtime.sampling import GenerationConfig
     from epd.prefill_svc.config import PrefillConfig

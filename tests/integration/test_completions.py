@@ -22,11 +22,11 @@ from aiohttp import web
 from transformers import AutoTokenizer
 
 from epd.client import EpdClient, EpdError
+from epd.gateway.ask_types import AskRequest
 from epd.gateway.config import GatewayConfig
 from epd.gateway.embedded import build_embedded_pipeline
 from epd.gateway.http_api import HttpApi
 from epd.gateway.metrics import GatewayMetrics
-from epd.gateway.pipeline import AskRequest
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest

@@ -16,8 +16,8 @@ import grpc
 import pytest
 
 from epd.client import EpdClient, EpdError
+from epd.gateway.ask_types import AskRequest
 from epd.gateway.embedded import build_embedded_pipeline
-from epd.gateway.pipeline import AskRequest
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MediaInput

@@ -17,10 +17,11 @@ import grpc
 import pytest
 
 from epd.client import EpdClient, EpdError
+from epd.gateway.ask_types import AskRequest, AskSummary
 from epd.gateway.embedded import build_embedded_pipeline
-from epd.gateway.pipeline import AskRequest, AskSummary, TokenStep
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
+from epd.stages.contracts import TokenStep
 from epd.stages.messages import Message
 from tests.local_http import post_json, sse_chunks
 

@@ -33,8 +33,8 @@ def test_clips(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def pipeline_answers(test_clips) -> list[tuple[object, str]]:
     """(record, generated answer) for every question of the clips, through the embedded pipeline."""
+    from epd.gateway.ask_types import AskRequest, AskSummary
     from epd.gateway.embedded import build_embedded_pipeline
-    from epd.gateway.pipeline import AskRequest, AskSummary
     from epd.model_runtime.config import ModelConfig
     from epd.model_runtime.sampling import GenerationConfig
     from epd.stages.contracts import MediaInput

@@ -38,7 +38,7 @@ def test_an_embedded_request_keeps_the_id_it_names(tiny_models, media_files):
     """An `AskRequest.request_id` (the SDK's, vLLM's body field) is the id its lines carry."""
     from dataclasses import replace
 
-    from epd.gateway.pipeline import AskRequest
+    from epd.gateway.ask_types import AskRequest
     from epd.model_runtime.sampling import GenerationConfig
     from epd.stages.contracts import MediaInput
     from epd.stages.messages import question_messages

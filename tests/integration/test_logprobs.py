@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from epd.client import EpdClient, EpdError, TokenDelta
+from epd.gateway.ask_types import AskRequest, AskSummary
 from epd.gateway.embedded import build_embedded_pipeline
-from epd.gateway.pipeline import AskRequest, AskSummary
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.logprobs import MAX_LOGPROBS, TokenLogprob
 from epd.model_runtime.sampling import GenerationConfig

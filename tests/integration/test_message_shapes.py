@@ -14,10 +14,10 @@ import openai
 import pytest
 
 from epd.client import EpdClient, EpdError
+from epd.gateway.ask_types import AskRequest, AskSummary
 from epd.gateway.chat_answer import completion_body
 from epd.gateway.chat_chunks import chunk_body
 from epd.gateway.embedded import build_embedded_pipeline
-from epd.gateway.pipeline import AskRequest, AskSummary
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MediaInput

@@ -17,11 +17,11 @@ import grpc
 import pytest
 
 from epd.client import EpdClient, EpdError
+from epd.gateway.ask_types import AskRequest
 from epd.gateway.config import GatewayConfig, HttpApiConfig
 from epd.gateway.embedded import build_embedded_pipeline
 from epd.gateway.http_api import start_http_api
 from epd.gateway.metrics import GatewayMetrics, MeteredPipeline
-from epd.gateway.pipeline import AskRequest
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import MAX_NEW_TOKENS, GenerationConfig
 from epd.prefill_svc.config import PrefillConfig

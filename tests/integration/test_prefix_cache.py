@@ -13,8 +13,9 @@ import asyncio
 import pytest
 import torch
 
+from epd.gateway.ask_types import AskRequest, AskSummary
 from epd.gateway.embedded import build_embedded_pipeline
-from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline
+from epd.gateway.pipeline import Pipeline
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MediaInput, StageEvent

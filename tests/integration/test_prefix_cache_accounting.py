@@ -13,9 +13,9 @@ import asyncio
 
 import pytest
 
+from epd.gateway.ask_types import AskRequest, AskSummary
 from epd.gateway.embedded import build_embedded_pipeline
 from epd.gateway.metrics import GatewayMetrics, MeteredPipeline
-from epd.gateway.pipeline import AskRequest, AskSummary
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.prefix_cache import MIN_REUSE_TOKENS, common_prefix_length

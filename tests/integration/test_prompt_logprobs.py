@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from epd.client import EpdClient
+from epd.gateway.ask_types import AskRequest, AskSummary
 from epd.gateway.embedded import build_embedded_pipeline
-from epd.gateway.pipeline import AskRequest, AskSummary
 from epd.model_runtime.adapter import PrefillChunk
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.loader import load_adapter

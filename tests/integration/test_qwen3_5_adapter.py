@@ -312,7 +312,7 @@ def _ask(pipeline, media_files, cases, pruning=None):
     """The pipeline's summaries of several questions asked at once (their decoding shares steps)."""
     import asyncio
 
-    from epd.gateway.pipeline import AskRequest, AskSummary
+    from epd.gateway.ask_types import AskRequest, AskSummary
     from epd.model_runtime.sampling import GenerationConfig
     from epd.stages.contracts import MediaInput
     from epd.stages.messages import question_messages

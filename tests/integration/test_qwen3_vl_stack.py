@@ -28,8 +28,8 @@ from epd.client import EpdClient, EpdError
 from epd.encoder_svc.config import EncoderConfig
 from epd.encoder_svc.engine import EncoderEngine
 from epd.encoder_svc.token_cache import TokenCache, TokenCacheConfig, make_cache_key
+from epd.gateway.ask_types import AskRequest, AskSummary
 from epd.gateway.embedded import build_embedded_pipeline
-from epd.gateway.pipeline import AskRequest, AskSummary
 from epd.model_runtime.adapter import VisualFeatures
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.loader import load_adapter

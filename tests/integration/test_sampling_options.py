@@ -18,8 +18,8 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from epd.client import EpdClient
+from epd.gateway.ask_types import AskRequest, AskSummary
 from epd.gateway.embedded import build_embedded_pipeline
-from epd.gateway.pipeline import AskRequest, AskSummary
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MediaInput

@@ -24,8 +24,8 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from epd.client import EpdClient
 from epd.client.types import EpdError
+from epd.gateway.ask_types import AskRequest
 from epd.gateway.embedded import build_embedded_pipeline
-from epd.gateway.pipeline import AskRequest
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs
 from epd.stages.contracts import MediaInput

@@ -16,8 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from epd.client import EpdClient, EpdError, Message
+from epd.gateway.ask_types import AskRequest, AskSummary
 from epd.gateway.embedded import build_embedded_pipeline
-from epd.gateway.pipeline import AskRequest, AskSummary
 from epd.model_runtime.adapter import VisualMeta
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.loader import load_adapter

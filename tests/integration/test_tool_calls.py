@@ -25,8 +25,8 @@ from dataclasses import replace
 import pytest
 
 from epd.client import EpdClient
+from epd.gateway.ask_types import AskRequest
 from epd.gateway.embedded import build_embedded_pipeline
-from epd.gateway.pipeline import AskRequest
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest

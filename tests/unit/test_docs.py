@@ -624,7 +624,7 @@ def test_the_readmes_lists_of_result_fields_are_the_sdks_and_the_http_apis():
     """README.md lists the fields of `epd ask --json` (AskResult.to_dict()) and of the HTTP API's
     `epd` object by name: those lists are the names the code writes, no more, no fewer."""
     from epd.client.types import result_from_proto
-    from epd.gateway.pipeline import AskSummary
+    from epd.gateway.ask_types import AskSummary
     from epd.gateway.servicer import summary_to_proto
     from epd.gateway.summary_fields import epd_details
 

@@ -32,8 +32,8 @@ from epd.encoder_svc.config import EncoderConfig
 from epd.encoder_svc.engine import EncoderEngine
 from epd.encoder_svc.stage import LocalEncodeStage
 from epd.encoder_svc.token_cache import TokenCacheConfig
+from epd.gateway.ask_types import AskRequest, AskSummary
 from epd.gateway.embedded import build_embedded_pipeline
-from epd.gateway.pipeline import AskRequest, AskSummary
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.loader import load_adapter
 from epd.model_runtime.sampling import GenerationConfig
@@ -902,15 +902,15 @@ def test_a_decoder_whose_first_step_differs_from_the_token_sent_stops_the_stream
     """Prefill and decoder apply the same rules to the same token, so the decoder's first step
     starts with what was sent; if it ever did not, the stream stops rather than show the client two
     versions of its answer."""
-    from epd.gateway.pipeline import _after_sent
+    from epd.gateway.choice_progress import after_sent
 
     sent = TokenStep([7], " the")
-    assert _after_sent(TokenStep([7], " the"), sent) is None
-    assert _after_sent(TokenStep([7, 8], " the cat"), sent) == TokenStep([8], " cat")
-    assert _after_sent(TokenStep([7], " the", "length"), sent) == TokenStep([], "", "length")
+    assert after_sent(TokenStep([7], " the"), sent) is None
+    assert after_sent(TokenStep([7, 8], " the cat"), sent) == TokenStep([8], " cat")
+    assert after_sent(TokenStep([7], " the", "length"), sent) == TokenStep([], "", "length")
     for other in (TokenStep([8], " the"), TokenStep([7], " a")):
         with pytest.raises(RuntimeError, match="does not start with the token sent from prefill"):
-            _after_sent(other, sent)
+            after_sent(other, sent)
 
 
 def test_no_decoder_after_the_first_token_went_out_passes_the_stages_status_on(embedded, videos):

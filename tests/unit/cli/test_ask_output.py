@@ -10,7 +10,7 @@ from pathlib import Path
 from epd.cli.ask import _result_of
 from epd.client import Stage, StageEvent
 from epd.client.types import result_from_proto
-from epd.gateway.pipeline import AskSummary
+from epd.gateway.ask_types import AskSummary
 from epd.gateway.servicer import summary_to_proto
 from epd.stages.names import TIMING_NAMES
 from epd.token_pruning import PruningStats

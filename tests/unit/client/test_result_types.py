@@ -14,7 +14,7 @@ from google.protobuf.message import Message
 
 from epd.client import AskResult, GridTHW, PruningReport, PruningStageCount, Stage, StageEvent, Timings
 from epd.client.types import TokenLogprob, result_from_proto, stage_event_from_proto
-from epd.gateway import pipeline
+from epd.gateway import ask_types
 from epd.gateway.servicer import summary_to_proto
 from epd.gateway.summary_fields import epd_details
 from epd.stages.names import TIMING_NAMES
@@ -220,7 +220,7 @@ def test_to_dict_has_every_name_and_value_of_the_http_apis_epd_object():
     stats = PruningStats(num_key_tokens=3, prefill_flops_full=1000, prefill_flops_pruned=600,
                          kv_bytes_before=8192, kv_bytes_after=4096, transfer_bytes=45056)  # fmt: skip
     stats.record("prefill_drop", 48, 24)
-    summary = pipeline.AskSummary(
+    summary = ask_types.AskSummary(
         request_id="r-1", answer="a red circle", token_ids=[5, 6, 7], finish_reason="length", num_frames=4,
         num_visual_tokens=48, num_prompt_tokens=70,
         timings_ms={"video_decode": 1.5, "encode": 2.0, "prefill": 3.0, "kv_transfer": 0.5, "generate": 4.0,

@@ -13,7 +13,7 @@ from epd.cli.parsers.root import build_parser
 from epd.cli.serve import _EXIT_MARGIN_S
 from epd.decode_svc.kv_pull import KvPuller
 from epd.decode_svc.stage import CONFIRM_WAIT_S
-from epd.gateway.pipeline import RELEASES_WAIT_S
+from epd.gateway.kv_release import RELEASES_WAIT_S
 from epd.stages.errors import InvalidRequest
 from epd.transport.server import CUT_MARGIN_S
 

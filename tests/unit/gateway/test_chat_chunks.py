@@ -10,10 +10,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from epd.gateway.ask_types import AskSummary, ChoiceSummary, PromptLogprobs
 from epd.gateway.chat_chunks import ChatChunks
 from epd.gateway.chat_request import parse_chat_request
 from epd.gateway.completions_protocol import parse_completion_request, text_completion_body
-from epd.gateway.pipeline import AskSummary, ChoiceSummary, PromptLogprobs
 from epd.model_runtime.logprobs import TokenLogprob
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import StageEvent, TokenStep

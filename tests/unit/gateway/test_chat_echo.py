@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 
 from epd.client import build_header
+from epd.gateway.ask_types import AskSummary
 from epd.gateway.chat_answer import completion_body
 from epd.gateway.chat_request import parse_chat_request
 from epd.gateway.completions_protocol import parse_completion_request
 from epd.gateway.http_errors import http_status_of
-from epd.gateway.pipeline import AskSummary
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest
 from epd.transport.errors import status_of

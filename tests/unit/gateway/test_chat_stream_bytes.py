@@ -18,10 +18,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from epd.gateway.ask_types import AskSummary, ChoiceSummary, PromptLogprobs
 from epd.gateway.config import GatewayConfig, HttpApiConfig
 from epd.gateway.http_api import HttpApi
 from epd.gateway.metrics import GatewayMetrics
-from epd.gateway.pipeline import AskSummary, ChoiceSummary, Pipeline, PromptLogprobs
+from epd.gateway.pipeline import Pipeline
 from epd.model_runtime.logprobs import TokenLogprob, TopLogprob
 from epd.stages.contracts import StageEvent, TokenStep
 from epd.stages.names import Stage

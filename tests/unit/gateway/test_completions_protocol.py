@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from epd.gateway.ask_types import AskSummary
 from epd.gateway.completions_protocol import (
     parse_completion_request,
     text_completion_body,
     text_completion_chunk,
 )
-from epd.gateway.pipeline import AskSummary
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest, NotFound
 from epd.stages.raw_prompt import RawPrompt

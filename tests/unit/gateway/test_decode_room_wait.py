@@ -11,7 +11,8 @@ from dataclasses import replace
 
 import pytest
 
-from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline
+from epd.gateway.ask_types import AskRequest, AskSummary
+from epd.gateway.pipeline import Pipeline
 from epd.stages import contracts
 from epd.stages.contracts import MediaInput, TokenStep
 from epd.stages.errors import Busy, ResourceExhausted

@@ -300,7 +300,7 @@ def test_a_data_url_is_decoded_and_hashed_off_the_event_loop(monkeypatch):
 
 
 def _summary(token_ids: list[int], answer: str, num_prompt_tokens: int):
-    from epd.gateway.pipeline import AskSummary
+    from epd.gateway.ask_types import AskSummary
 
     return AskSummary(
         request_id="r1",
@@ -474,7 +474,7 @@ class _TwoChoicePipeline(Pipeline):
         super().__init__(None, None, None)  # type: ignore[arg-type]  # no stage: ask is the fake's
 
     async def ask(self, req):  # type: ignore[override]
-        from epd.gateway.pipeline import ChoiceSummary
+        from epd.gateway.ask_types import ChoiceSummary
         from epd.stages.contracts import StageEvent, TokenStep
         from epd.stages.names import Stage
 
@@ -628,7 +628,7 @@ class _TwoChoicesPipeline(Pipeline):
         super().__init__(None, None, None)  # type: ignore[arg-type]  # no stage: ask is the fake's
 
     async def ask(self, req):  # type: ignore[override]
-        from epd.gateway.pipeline import ChoiceSummary
+        from epd.gateway.ask_types import ChoiceSummary
         from epd.stages.contracts import TokenStep
 
         call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

@@ -14,10 +14,11 @@ import pytest
 from aiohttp import web
 from aiohttp.client_exceptions import ClientConnectionResetError
 
+from epd.gateway.ask_types import AskSummary
 from epd.gateway.config import GatewayConfig, HttpApiConfig
 from epd.gateway.http_api import start_http_api
 from epd.gateway.metrics import GatewayMetrics
-from epd.gateway.pipeline import AskSummary, Pipeline
+from epd.gateway.pipeline import Pipeline
 from epd.stages.contracts import TokenStep
 from epd.stages.server_config import ServerConfig
 from tests.unit.gateway.test_http_shutdown import BODY, JSON  # a streamed question about 64 bytes of "video"

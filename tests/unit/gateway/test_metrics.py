@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from epd.gateway.ask_types import AskSummary
 from epd.gateway.metrics import GatewayMetrics
-from epd.gateway.pipeline import AskSummary
 from epd.stages.contracts import StageEvent, TokenStep
 from epd.stages.errors import InvalidRequest
 from epd.stages.names import Stage
@@ -136,8 +136,8 @@ def test_closing_after_the_summary_counts_as_ok():
 def test_stage_queue_gauges_follow_a_request():
     import asyncio
 
+    from epd.gateway.ask_types import AskSummary
     from epd.gateway.metrics import GatewayMetrics
-    from epd.gateway.pipeline import AskSummary
     from epd.stages.contracts import StageEvent, TokenStep
 
     metrics = GatewayMetrics()

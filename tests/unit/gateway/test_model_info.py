@@ -200,7 +200,7 @@ def test_a_request_template_is_refused_before_the_encode_unless_every_prefill_tr
     encode (this pipeline has no encoder to reach)."""
     from dataclasses import replace
 
-    from epd.gateway.pipeline import AskRequest
+    from epd.gateway.ask_types import AskRequest
     from epd.stages.contracts import MediaInput
     from epd.stages.errors import InvalidRequest
     from epd.stages.messages import VIDEO, ChatTemplateOptions, Message

@@ -2,8 +2,8 @@
 
 import pytest
 
+from epd.gateway.ask_types import AskSummary
 from epd.gateway.chat_request import parse_chat_request
-from epd.gateway.pipeline import AskSummary
 from epd.gateway.summary_fields import kept_token_grid
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest

@@ -13,7 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from epd.gateway.pipeline import AskRequest, Pipeline
+from epd.gateway.ask_types import AskRequest
+from epd.gateway.pipeline import Pipeline
 from epd.model_runtime.logprobs import TokenLogprob
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import ChoiceStart, MediaInput

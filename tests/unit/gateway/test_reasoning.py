@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pytest
 
+from epd.gateway.ask_types import AskSummary, ChoiceSummary
 from epd.gateway.chat_answer import completion_body
 from epd.gateway.chat_request import parse_chat_request
 from epd.gateway.config import HttpApiConfig
-from epd.gateway.pipeline import AskSummary, ChoiceSummary
 from epd.gateway.reasoning import (
     MarkerIds,
     ReasoningSplit,

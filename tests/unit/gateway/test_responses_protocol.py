@@ -13,11 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai.types.responses import ResponseErrorEvent
 
+from epd.gateway.ask_types import AskSummary
 from epd.gateway.config import GatewayConfig, HttpApiConfig
 from epd.gateway.http_api import start_http_api
 from epd.gateway.logprobs_protocol import chat_logprobs
 from epd.gateway.metrics import GatewayMetrics
-from epd.gateway.pipeline import AskSummary, Pipeline
+from epd.gateway.pipeline import Pipeline
 from epd.gateway.responses_events import ResponseEvents, response_body
 from epd.gateway.responses_protocol import parse_responses_request
 from epd.model_runtime.logprobs import TokenLogprob, TopLogprob

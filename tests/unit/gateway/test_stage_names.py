@@ -10,7 +10,7 @@ from pathlib import Path
 
 from epd.client import Stage
 from epd.client.types import result_from_proto
-from epd.gateway.pipeline import AskSummary
+from epd.gateway.ask_types import AskSummary
 from epd.gateway.servicer import summary_to_proto
 from epd.gateway.summary_fields import epd_details
 from epd.model_runtime.logprobs import TokenLogprob, TopLogprob

@@ -12,8 +12,8 @@ import json
 
 import pytest
 
+from epd.gateway.ask_types import AskSummary
 from epd.gateway.chat_answer import completion_body
-from epd.gateway.pipeline import AskSummary
 from epd.gateway.tool_parsers import markers
 from epd.gateway.tool_parsers.answer import ToolAnswerStream, answer_tool_calls, tool_finish_reason
 from epd.gateway.tool_parsers.calls import ArgumentsFragment, ParsedToolCall, ToolCallHeader

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
-from epd.gateway.pipeline import AskRequest, AskSummary, Pipeline
+from epd.gateway.ask_types import AskRequest, AskSummary
+from epd.gateway.pipeline import Pipeline
 from epd.model_runtime.adapter import VisualMeta
 from epd.stages import contracts
 from epd.stages.contracts import MediaInput, PrefillHandle, TokenStep

@@ -233,7 +233,8 @@ def test_the_gateway_refuses_too_many_stop_strings_before_any_stage_is_called():
     """Over gRPC as over HTTP: a stop list of megabytes would pass the gateway's own limits and be
     refused by gRPC itself on the way to a stage (its text, not ours). No stage exists here: the
     refusal comes before the first call."""
-    from epd.gateway.pipeline import AskRequest, Pipeline
+    from epd.gateway.ask_types import AskRequest
+    from epd.gateway.pipeline import Pipeline
     from epd.stages.contracts import MediaInput
     from epd.stages.messages import question_messages
 
