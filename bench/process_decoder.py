@@ -2,7 +2,7 @@
 
 Issue #3 asks whether decode workers should be threads or processes. The served decoder
 (`epd.video.parallel_decoder`) uses threads; this runs the same plan and the same per-share decode
-loop (`_seek` / `_decode_iter` of `epd.video.share_decode`, non-reference skipping included) in a
+loop (`seek_to_keyframe` / `decode_frames` of `epd.video.share_decode`, non-reference skipping included) in a
 pool of spawned processes, in the best case for processes: the video bytes go to the workers once
 through shared memory, and each worker writes its frames straight into a shared output array
 (nothing is pickled but the plan). The pool is created once and reused, as the thread pool is, so
@@ -22,7 +22,7 @@ from epd.video.budget import DecodeBudget
 from epd.video.keyframe_index import VideoIndex, build_video_index, probe_rotation
 from epd.video.media_open import open_video
 from epd.video.plan import make_plan
-from epd.video.share_decode import _NONREF_SKIP_CODECS, _decode_iter, _seek
+from epd.video.share_decode import NONREF_SKIP_CODECS, decode_frames, seek_to_keyframe
 from epd.video.simple_decoder import frame_to_rgb, scaled_size
 from epd.video.types import DecodeLimits, SamplingOptions
 
@@ -50,7 +50,7 @@ def _decode_share_in_process(
             stream = container.streams.video[0]
             stream.codec_context.thread_count = 1
             keep = None
-            if skip_nonref and stream.codec_context.name in _NONREF_SKIP_CODECS:
+            if skip_nonref and stream.codec_context.name in NONREF_SKIP_CODECS:
                 keep = frozenset(p for _, targets in intervals for p in targets)
             frame_pts = index.frame_pts
             frames = None
@@ -59,9 +59,11 @@ def _decode_share_in_process(
                 wanted = set(targets)
                 if frames is None:
                     frames = (
-                        _decode_iter(container, stream, keep, budget)
+                        decode_frames(container, stream, keep, budget)
                         if keyframe_pts <= frame_pts[0]
-                        else _seek(container, stream, index, keyframe_pts, targets[0], keep, budget)
+                        else seek_to_keyframe(
+                            container, stream, index, keyframe_pts, targets[0], keep, budget
+                        )
                     )
                 else:
                     ahead = int(
@@ -69,7 +71,9 @@ def _decode_share_in_process(
                         - np.searchsorted(frame_pts, last_pts, "right")
                     )
                     if last_pts >= targets[0] or ahead > seek_cost_frames:
-                        frames = _seek(container, stream, index, keyframe_pts, targets[0], keep, budget)
+                        frames = seek_to_keyframe(
+                            container, stream, index, keyframe_pts, targets[0], keep, budget
+                        )
                 for frame in frames:
                     decoded += 1
                     last_pts = frame.pts

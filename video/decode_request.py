@@ -1,5 +1,5 @@
-"""The shared state of one parallel decode (`_Request`), between the consumer that waits for its
-frames (`FrameGroupStream`) and the worker tasks (`_Task`, one per share of the plan) that decode them:
+"""The shared state of one parallel decode (`VideoDecodeRequest`), between the consumer that waits for its
+frames (`FrameGroupStream`) and the worker tasks (`ShareTask`, one per share of the plan) that decode them:
 the output array of distinct frames, which intervals are done, the intervals still pending per share
 (work stealing: `take`), and the first failure. A request's life: `epd.video.parallel_decoder`."""
 
@@ -15,18 +15,19 @@ import numpy as np
 from epd.video.budget import DecodeBudget
 from epd.video.keyframe_index import VideoIndex
 from epd.video.plan import DecodePlan
-from epd.video.simple_decoder import _CORRUPT, gather_slots
+from epd.video.simple_decoder import CORRUPT_MEDIA_MESSAGE, gather_slots
 from epd.video.types import DecodeLimits, FrameResize, MediaError, SamplingOptions
 
 if TYPE_CHECKING:
-    from epd.video.parallel_decoder import _Worker
+    from epd.video.parallel_decoder import DecodeWorker
 
 
-class _Cancelled(Exception):
-    pass
+class ShareStopped(Exception):
+    """Raised inside `decode_share` when the request stopped (failed, cancelled) or the worker was
+    retired: the worker leaves its share quietly, as the request's outcome is already decided."""
 
 
-class _Request:
+class VideoDecodeRequest:
     """Shared state of one decode between the consumer and the worker tasks."""
 
     def __init__(
@@ -71,7 +72,7 @@ class _Request:
         """Set when the request failed or its consumer left: workers stop at the next frame."""
         self.caller_cancel = caller_cancel
         """The caller's own flag (its client went away), set from another thread."""
-        self.tasks: list[_Task] = []
+        self.tasks: list[ShareTask] = []
 
     def stopped(self) -> bool:
         return self.cancelled.is_set() or (self.caller_cancel is not None and self.caller_cancel.is_set())
@@ -85,13 +86,13 @@ class _Request:
         # Compared as decoded, not as resized: two sizes may resize to one (a fixed-size resize
         # always does), and the reference decoder fails the same way (np.stack of unequal frames).
         if rgb.shape != self.decoded_shape:
-            raise MediaError(_CORRUPT)
+            raise MediaError(CORRUPT_MEDIA_MESSAGE)
         kept = rgb if self.frame_resize is None else self.frame_resize(rgb)  # [h, w, 3]
         with self.cond:
             if self.out is None:
                 self.out = np.empty((len(self.unique_of_pts), *kept.shape), np.uint8)
         if kept.shape != self.out.shape[1:]:
-            raise MediaError(_CORRUPT)
+            raise MediaError(CORRUPT_MEDIA_MESSAGE)
         self.out[self.unique_of_pts[pts]] = kept
 
     def frames_of_slots(self, first: int, last: int) -> np.ndarray:
@@ -122,13 +123,13 @@ class _Request:
 
 
 @dataclass
-class _Task:
-    request: _Request
+class ShareTask:
+    request: VideoDecodeRequest
     share: int
     """Which of the plan's shares this task starts on (it may then steal from the others)."""
     started_at: float | None = None
     last_progress: float = 0.0
     """time.monotonic() of the last decoded frame (or of the start)."""
-    worker: _Worker | None = None
+    worker: DecodeWorker | None = None
     done: bool = False
     num_decoded_frames: int = 0

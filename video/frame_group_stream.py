@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from epd.video.budget import decode_too_long
-from epd.video.decode_request import _Request
+from epd.video.decode_request import VideoDecodeRequest
 from epd.video.types import DecodeCancelled, DecodedVideo, MediaError
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class FrameGroupStream(Iterator[FrameGroup]):
     def __init__(
         self,
         decoder: ParallelDecoder,
-        request: _Request | None,
+        request: VideoDecodeRequest | None,
         group_size: int,
         timestamps_s: list[float],
         sampled_fps: float,

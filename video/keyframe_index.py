@@ -29,7 +29,7 @@ import numpy as np
 from epd.video.budget import DecodeBudget, DemuxDeadline, check_frame_size
 from epd.video.media_open import ReadGuard, open_video
 from epd.video.simple_decoder import (
-    _CORRUPT,
+    CORRUPT_MEDIA_MESSAGE,
     DemuxStopped,
     FrameIndex,
     check_duration,
@@ -139,7 +139,7 @@ def build_video_index(
     finally:
         guard.release()
     if len(frame_pts) == 0:
-        raise MediaError(_CORRUPT)
+        raise MediaError(CORRUPT_MEDIA_MESSAGE)
     # Same arithmetic as simple_decoder.build_frame_index (int * float), so floats compare equal.
     pts_s = np.asarray([int(p) * tb for p in frame_pts], dtype=np.float64)
     if rate <= 0 and len(pts_s) > 1:

@@ -57,12 +57,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from epd.video.decode_request import _Cancelled, _Request, _Task
+from epd.video.decode_request import ShareStopped, ShareTask, VideoDecodeRequest
 from epd.video.frame_group_stream import FrameGroupStream
 from epd.video.keyframe_index import KeyframeIndexCache
 from epd.video.media_open import sniff_container
 from epd.video.plan import make_plan
-from epd.video.share_decode import _decode_share
+from epd.video.share_decode import decode_share
 from epd.video.simple_decoder import check_size, decode_failure, decode_image
 from epd.video.types import DecodedVideo, DecodeLimits, FrameResizer, MediaError, SamplingOptions
 
@@ -107,7 +107,7 @@ class ParallelDecodeConfig:
             raise ValueError(f"index_cache_bytes must be >= 0, got {self.index_cache_bytes}")
 
 
-class _Worker(threading.Thread):
+class DecodeWorker(threading.Thread):
     def __init__(self, pool: ParallelDecoder, number: int):
         super().__init__(name=f"video-decode-{number}", daemon=True)
         self.pool = pool
@@ -126,15 +126,15 @@ class _Worker(threading.Thread):
         finally:
             self.pool._worker_exited(self)
 
-    def _run_task(self, task: _Task) -> None:
+    def _run_task(self, task: ShareTask) -> None:
         req = task.request
         if req.stopped():
             return
         task.worker = self
         task.started_at = task.last_progress = time.monotonic()
         try:
-            _decode_share(task, self.retired, self.pool.config.skip_nonref_frames)
-        except _Cancelled:
+            decode_share(task, self.retired, self.pool.config.skip_nonref_frames)
+        except ShareStopped:
             pass
         except MediaError as exc:
             req.fail(exc)
@@ -154,9 +154,9 @@ class ParallelDecoder:
     def __init__(self, config: ParallelDecodeConfig | None = None):
         self.config = config or ParallelDecodeConfig()
         self.index_cache = KeyframeIndexCache(self.config.index_cache_entries, self.config.index_cache_bytes)
-        self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self._tasks: queue.SimpleQueue[ShareTask | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._workers: set[_Worker] = set()
+        self._workers: set[DecodeWorker] = set()
         self._closed = False
         self._num_started = 0
         self.num_replaced_workers = 0
@@ -229,7 +229,7 @@ class ParallelDecoder:
         plan = make_plan(index, opts, self.config.num_workers, self.config.seek_cost_frames)
         # The clip's frame count is the plan's (slots, repeats included), as the encoder's `preprocess` gets it.
         frame_resize = frame_resizer(len(plan.slot_pts)) if frame_resizer is not None else None
-        req = _Request(
+        req = VideoDecodeRequest(
             data, index, plan, opts, self.config.seek_cost_frames, limits, cancel, started, frame_resize
         )
         pts_s = index.frames.pts_s
@@ -250,7 +250,7 @@ class ParallelDecoder:
         )
         for number, share in enumerate(plan.shares):
             if share:
-                req.tasks.append(_Task(req, number, last_progress=started))
+                req.tasks.append(ShareTask(req, number, last_progress=started))
         for task in req.tasks:
             self._tasks.put(task)
         return stream
@@ -261,7 +261,7 @@ class ParallelDecoder:
         (default `CLOSE_WAIT_S`): a pool of N stuck workers costs one wait, not N. Idempotent."""
         self._join(self._stop(), time.monotonic() + (CLOSE_WAIT_S if wait_s is None else wait_s))
 
-    def _stop(self) -> list[_Worker]:
+    def _stop(self) -> list[DecodeWorker]:
         """Retire every worker and wake the idle ones; the workers to wait for (none if already closed)."""
         with self._lock:
             if self._closed:
@@ -276,7 +276,7 @@ class ParallelDecoder:
         return workers
 
     @staticmethod
-    def _join(workers: list[_Worker], deadline_s: float) -> None:
+    def _join(workers: list[DecodeWorker], deadline_s: float) -> None:
         """Wait until `deadline_s` (time.monotonic()) for `workers` to end. A thread cannot be
         killed from Python: one still inside FFmpeg or a resize then is left to end at its next
         frame (or with the process)."""
@@ -300,12 +300,12 @@ class ParallelDecoder:
 
     # -- pool upkeep ------------------------------------------------------------------------
     def _start_worker(self) -> None:
-        worker = _Worker(self, self._num_started)
+        worker = DecodeWorker(self, self._num_started)
         self._num_started += 1
         worker.start()
         self._workers.add(worker)
 
-    def _replace(self, worker: _Worker) -> None:
+    def _replace(self, worker: DecodeWorker) -> None:
         """Retire a stuck worker (it exits at its next frame) and start a fresh one."""
         with self._lock:
             if worker.retired.is_set() or self._closed:
@@ -314,7 +314,7 @@ class ParallelDecoder:
             self.num_replaced_workers += 1
             self._start_worker()
 
-    def _worker_exited(self, worker: _Worker) -> None:
+    def _worker_exited(self, worker: DecodeWorker) -> None:
         with self._lock:
             self._workers.discard(worker)
             if not worker.retired.is_set() and not self._closed:

@@ -1,7 +1,7 @@
-"""One worker's decode of its share of a request (`_decode_share`): one container for all the
+"""One worker's decode of its share of a request (`decode_share`): one container for all the
 share's intervals, a seek to each interval's keyframe or a decode forward through a short gap,
 non-reference frames that are not targets skipped (H.264/HEVC), each target written into the
-request's output. `bench/process_decoder.py` runs these pieces (`_seek`, `_decode_iter`) in
+request's output. `bench/process_decoder.py` runs these pieces (`seek_to_keyframe`, `decode_frames`) in
 processes instead. A request's life: `epd.video.parallel_decoder`."""
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ from collections.abc import Iterator
 import numpy as np
 
 from epd.video.budget import DecodeBudget
-from epd.video.decode_request import _Cancelled, _Task
+from epd.video.decode_request import ShareStopped, ShareTask
 from epd.video.keyframe_index import VideoIndex
 from epd.video.media_open import ReadGuard, open_video
-from epd.video.simple_decoder import _CORRUPT, frame_to_rgb, in_presentation_order
+from epd.video.simple_decoder import CORRUPT_MEDIA_MESSAGE, frame_to_rgb, in_presentation_order
 from epd.video.types import MediaError
 
 # Codecs whose FFmpeg decoders honour skip_frame=NONREF exactly (drop only frames no other frame
 # references). Others (VP9, AV1, MPEG-4 Part 2, MJPEG) decode every frame.
-_NONREF_SKIP_CODECS = frozenset({"h264", "hevc"})
+NONREF_SKIP_CODECS = frozenset({"h264", "hevc"})
 
 
-def _decode_share(task: _Task, retired: threading.Event, skip_nonref: bool) -> None:
+def decode_share(task: ShareTask, retired: threading.Event, skip_nonref: bool) -> None:
     """Decode the intervals of one share in order with one container; write targets to the output."""
     req = task.request
     budget = req.budget
@@ -33,7 +33,7 @@ def _decode_share(task: _Task, retired: threading.Event, skip_nonref: bool) -> N
     def check_read() -> None:  # also between the packets of other streams (`ReadGuard`)
         budget.check_time()
         if req.stopped() or retired.is_set():
-            raise _Cancelled
+            raise ShareStopped
 
     guard = ReadGuard(check_read)
     try:
@@ -45,8 +45,8 @@ def _decode_share(task: _Task, retired: threading.Event, skip_nonref: bool) -> N
         guard.release()
 
 
-def _decode_intervals(task: _Task, guard: ReadGuard, retired: threading.Event, skip_nonref: bool) -> None:
-    """The body of `_decode_share`: one container, opened through `guard`."""
+def _decode_intervals(task: ShareTask, guard: ReadGuard, retired: threading.Event, skip_nonref: bool) -> None:
+    """The body of `decode_share`: one container, opened through `guard`."""
     req = task.request
     index = req.index
     frame_pts = index.frame_pts
@@ -57,7 +57,7 @@ def _decode_intervals(task: _Task, guard: ReadGuard, retired: threading.Event, s
         keep: frozenset[int] | None = None  # packets to decode in full; None: every packet
         # Frames matched by output order (decode-order pts) must all come out: no skipping.
         order_pts = frame_pts if index.frames.pts_in_decode_order else None
-        if skip_nonref and order_pts is None and stream.codec_context.name in _NONREF_SKIP_CODECS:
+        if skip_nonref and order_pts is None and stream.codec_context.name in NONREF_SKIP_CODECS:
             # Every target of the request, not only the current interval's: the decoder's reorder
             # delay means packets of the next interval are sent before this one's last frame is out.
             keep = req.target_pts
@@ -65,15 +65,15 @@ def _decode_intervals(task: _Task, guard: ReadGuard, retired: threading.Event, s
         last_pts = int(frame_pts[0]) - 1  # pts of the last frame taken from it
         while (position := req.take(task.share)) is not None:
             if req.stopped() or retired.is_set():
-                raise _Cancelled
+                raise ShareStopped
             interval = req.plan.intervals[position]
             wanted = set(interval.target_pts)
             first_target = interval.target_pts[0]
             if frames is None:
                 if interval.keyframe_pts <= frame_pts[0]:
-                    frames = _decode_iter(container, stream, keep, budget, order_pts)
+                    frames = decode_frames(container, stream, keep, budget, order_pts)
                 else:
-                    frames = _seek(
+                    frames = seek_to_keyframe(
                         container, stream, index, interval.keyframe_pts, first_target, keep, budget
                     )
             else:
@@ -82,12 +82,12 @@ def _decode_intervals(task: _Task, guard: ReadGuard, retired: threading.Event, s
                     - np.searchsorted(frame_pts, last_pts, "right")
                 )
                 if last_pts >= first_target or ahead > req.seek_cost_frames:
-                    frames = _seek(
+                    frames = seek_to_keyframe(
                         container, stream, index, interval.keyframe_pts, first_target, keep, budget
                     )
             for frame in frames:
                 if req.stopped() or retired.is_set():
-                    raise _Cancelled
+                    raise ShareStopped
                 task.last_progress = time.monotonic()
                 task.num_decoded_frames += 1
                 last_pts = frame.pts
@@ -97,11 +97,11 @@ def _decode_intervals(task: _Task, guard: ReadGuard, retired: threading.Event, s
                     if not wanted:
                         break
             if wanted:  # the stream ended before a target: truncated or corrupt
-                raise MediaError(_CORRUPT)
+                raise MediaError(CORRUPT_MEDIA_MESSAGE)
             req.finish_interval(position)
 
 
-def _decode_iter(
+def decode_frames(
     container, stream, keep: frozenset[int] | None, budget: DecodeBudget, order_pts: np.ndarray | None = None
 ) -> Iterator:
     """Decoded frames from the container's current position, each charged to `budget` (frames
@@ -131,7 +131,7 @@ def _decode_packets(container, stream, keep: frozenset[int] | None, budget: Deco
                 yield frame
 
 
-def _seek(
+def seek_to_keyframe(
     container,
     stream,
     index: VideoIndex,
@@ -154,12 +154,12 @@ def _seek(
         else:
             key = int(keys[k])
         container.seek(key, stream=stream, backward=True, any_frame=False)
-        frames = _decode_iter(container, stream, keep, budget)  # never with decode-order pts: no seek
+        frames = decode_frames(container, stream, keep, budget)  # never with decode-order pts: no seek
         first = next(frames, None)
         if first is not None and first.pts <= first_target:
             return itertools.chain([first], frames)
         if k < 0:  # landed after the target even from the start: the stream cannot be read
-            raise MediaError(_CORRUPT)
+            raise MediaError(CORRUPT_MEDIA_MESSAGE)
         tried += 1
         # Back off: one keyframe earlier, then jump to the start.
         k = k - 1 if tried < 3 else -1

@@ -28,7 +28,7 @@ from epd.video.types import DecodedVideo, DecodeLimits, MediaError, MediaLimitEr
 
 log = logging.getLogger(__name__)
 
-_CORRUPT = (
+CORRUPT_MEDIA_MESSAGE = (
     "could not decode the media: the file is corrupt, truncated, or not a supported container "
     f"or codec ({SEND_SUPPORTED})"
 )
@@ -44,7 +44,7 @@ def decode_failure(exc: BaseException) -> MediaError:
     limit, RESOURCE_EXHAUSTED; anything else is the file's fault."""
     if isinstance(exc, MemoryError):  # av.error.MemoryError is one too
         return MediaLimitError(_OUT_OF_MEMORY)
-    return MediaError(_CORRUPT)
+    return MediaError(CORRUPT_MEDIA_MESSAGE)
 
 
 _DEMUX_CHECK_PACKETS = 256
@@ -163,7 +163,7 @@ def build_frame_index(
 
     frame_pts, keyframe_pts, in_decode_order = demux_pts(container, stream, past_deadline)
     if len(frame_pts) == 0:
-        raise MediaError(_CORRUPT)
+        raise MediaError(CORRUPT_MEDIA_MESSAGE)
     # int * float per element: keyframe_index.build_video_index does the same, so floats compare equal.
     pts_arr = np.asarray([p * tb for p in frame_pts.tolist()], dtype=np.float64)
     rate = float(stream.average_rate) if stream.average_rate else 0.0
@@ -289,7 +289,7 @@ def decode_image(data: bytes, opts: SamplingOptions, limits: DecodeLimits) -> De
         raise
     except Exception as exc:  # noqa: BLE001 - hostile bytes make Pillow raise struct.error, TypeError, ...
         log.info("image decode failed: %r", exc)  # detail stays in the server log
-        raise MediaError(_CORRUPT) from None
+        raise MediaError(CORRUPT_MEDIA_MESSAGE) from None
     return DecodedVideo(frame, [0.0], sampled_fps=1.0, duration_s=0.0, source_fps=0.0, is_image=True)
 
 
@@ -435,6 +435,6 @@ def _decode_chosen(
         budget.check_decoder_size(stream.codec_context)  # refused by FFmpeg's max_pixels guard?
         raise
     if len(kept) != len(wanted):
-        raise MediaError(_CORRUPT)
+        raise MediaError(CORRUPT_MEDIA_MESSAGE)
     unique = np.stack([kept[t] for t in distinct.tolist()])  # [U, H, W, 3]
     return gather_slots(unique, np.searchsorted(distinct, chosen_pts))

@@ -19,12 +19,13 @@ from epd.gateway.tool_request import ToolChoice
 from epd.stages.contracts import TokenStep
 
 
-def shows_token_ids(return_token_ids: bool, thinking: bool | None, include_reasoning: bool) -> bool:
-    """Whether a chat answer's choices (whole or streamed) list their token ids: when the request
-    sets vLLM's `return_token_ids`, unless the reasoning is left out (`include_reasoning` false
-    under a reasoning parser: `thinking` not None), whose ids would show it, as vLLM hides them
-    (its chat serving code's `hide_stream_metadata`)."""
-    return return_token_ids and (thinking is None or include_reasoning)
+def hides_token_metadata(thinking: bool | None, include_reasoning: bool) -> bool:
+    """Whether a chat answer (whole or streamed) leaves out its tokens' logprobs and ids: when the
+    reasoning is left out (`include_reasoning` false under a reasoning parser: `thinking` not
+    None), as vLLM does (its chat serving code's `hide_stream_metadata` / `suppress_metadata`):
+    a logprob entry's token text and the token ids would show the reasoning. Every token's goes,
+    the content's too, as vLLM's (it does not part them)."""
+    return thinking is not None and not include_reasoning
 
 
 def completion_body(
@@ -48,27 +49,24 @@ def completion_body(
     answer parts and counts its steps; by token id with the served model's `marker_ids`);
     `tool_choice` (`ChatRequest.tool_choice`) takes the content's tool calls into the message's
     `tool_calls` (`epd.gateway.tool_parsers`); `return_token_ids` (`ChatRequest`'s) lists each
-    choice's token ids (`shows_token_ids`)."""
+    choice's token ids; neither they nor the logprobs with the reasoning left out (`hides_token_metadata`)."""
     parted = None
     if thinking is not None:
         if steps is None:
             raise ValueError("a reasoning parser parts the answer from its token steps: pass them")
         parted = part_answers(((s.index, s.text, s.token_ids) for s in steps), thinking, marker_ids)
     choices = []
+    hidden = hides_token_metadata(thinking, include_reasoning)
     for choice in summary.all_choices():
         message, num_calls = _message(role, echoed, choice, parted, include_reasoning, tool_choice)
         choices.append(
             {
                 "index": choice.index,
                 "message": message,
-                "logprobs": None if choice.logprobs is None else chat_logprobs(choice.logprobs),
+                "logprobs": None if choice.logprobs is None or hidden else chat_logprobs(choice.logprobs),
                 "finish_reason": tool_finish_reason(tool_choice, num_calls, choice.finish_reason or "stop"),
                 "stop_reason": choice.stop_reason,
-                **(
-                    {"token_ids": choice.token_ids}
-                    if shows_token_ids(return_token_ids, thinking, include_reasoning)
-                    else {}
-                ),
+                **({"token_ids": choice.token_ids} if return_token_ids and not hidden else {}),
             }
         )
     return {

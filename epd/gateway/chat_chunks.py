@@ -10,7 +10,8 @@ held back by a parser) making no chunk unless it carries logprobs or asked-for t
 choice's finish reason on the chunk of its final step (after its parsers' held-back tails), sent
 as it finishes while others go on, the last one's with the summary, which it carries as `epd`
 details; with stream_options include_usage a last chunk of no choices with the usage. Chunks list
-their tokens' ids (`token_ids`) only with vLLM's `return_token_ids`. Every chunk carries `usage`:
+their tokens' ids (`token_ids`) only with vLLM's `return_token_ids`; neither ids nor logprobs with
+the reasoning left out (`include_reasoning` false under a reasoning parser), as vLLM's. Every chunk carries `usage`:
 null with include_usage, the usage so far with continuous_usage_stats too.
 """
 
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from epd.gateway.ask_types import AskSummary, PromptLogprobs
-from epd.gateway.chat_answer import shows_token_ids
+from epd.gateway.chat_answer import hides_token_metadata
 from epd.gateway.chat_request import ChatRequest
 from epd.gateway.completions_protocol import text_completion_chunk
 from epd.gateway.logprobs_protocol import chat_logprobs, completion_logprobs
@@ -142,13 +143,14 @@ class ChatChunks:
         elif step.token_ids or step.text:
             split = self.parted[step.index].add(step.text, step.token_ids) if self.parted else None
             delta = None if split is None else delta_fields(split, chat.include_reasoning)
+            logprobs = None if self.metadata_hidden else step.logprobs
             more: list[dict[str, Any]] = []  # tool call deltas past the first, in chunks of their own
             if self.tooled:
                 delta, more = _tool_deltas(
                     self.tooled[step.index], delta, step.text if split is None else split.content
                 )
             # (a final step that says nothing still ends its choice: `_finish_choice`'s bare chunk)
-            if delta != {} or step.logprobs is not None or self.token_ids_shown:
+            if delta != {} or logprobs is not None or self.token_ids_shown:
                 chunks.append(
                     _delta_chunk(
                         chat,
@@ -156,7 +158,7 @@ class ChatChunks:
                         self.created,
                         step.text,
                         self._ids(step.token_ids),
-                        step.logprobs,
+                        logprobs,
                         self.text_offsets.get(step.index, 0),
                         step.index,
                         delta,
@@ -208,9 +210,14 @@ class ChatChunks:
         return [self._with_usage(chunk) for chunk in chunks]
 
     @property
+    def metadata_hidden(self) -> bool:
+        """Whether the chunks leave out their tokens' logprobs and ids (`hides_token_metadata`)."""
+        return hides_token_metadata(self.thinking, self.chat.include_reasoning)
+
+    @property
     def token_ids_shown(self) -> bool:
-        """Whether the chunks list their tokens' ids (`shows_token_ids`)."""
-        return shows_token_ids(self.chat.return_token_ids, self.thinking, self.chat.include_reasoning)
+        """Whether the chunks list their tokens' ids: asked for (`return_token_ids`), not hidden."""
+        return self.chat.return_token_ids and not self.metadata_hidden
 
     def _ids(self, token_ids: list[int]) -> list[int] | None:
         """A chunk's `token_ids`: `token_ids` when the request asked for them, else None (none)."""

@@ -181,13 +181,18 @@ def test_the_stack_parts_a_thinking_answer_into_reasoning_and_content(qwen3_5, t
         both = _chat(port, _body(allowed_token_ids=allowed, n=2))
         assert both["usage"]["completion_tokens_details"] == {"reasoning_tokens": 2 * end}
 
-        # include_reasoning false: the content alone.
-        hidden = _chat(port, _body(allowed_token_ids=allowed, include_reasoning=False))["choices"][0][
-            "message"
-        ]
-        assert (hidden["reasoning"], hidden["content"]) == (None, content)
-        chunks = _stream(port, _body(allowed_token_ids=allowed, include_reasoning=False))
+        # include_reasoning false: the content alone, and no token's logprobs (vLLM hides them all:
+        # their token text would show the reasoning), whole or streamed.
+        left_out = _body(allowed_token_ids=allowed, include_reasoning=False, logprobs=True)
+        hidden = _chat(port, left_out)["choices"][0]
+        assert (hidden["message"]["reasoning"], hidden["message"]["content"], hidden["logprobs"]) == (
+            None,
+            content,
+            None,
+        )
+        chunks = _stream(port, left_out)
         assert (_joined(chunks, "reasoning"), _joined(chunks, "content")) == (None, content)
+        assert all(c["choices"][0]["logprobs"] is None for c in chunks if c["choices"])  # content's too
 
         # Cut by max_tokens inside the block: all reasoning, content null.
         cut = _chat(port, _body(allowed_token_ids=allowed, max_tokens=end))["choices"][0]

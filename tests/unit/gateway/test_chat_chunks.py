@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 from epd.gateway.ask_types import AskSummary, ChoiceSummary, PromptLogprobs
+from epd.gateway.chat_answer import completion_body
 from epd.gateway.chat_chunks import ChatChunks
 from epd.gateway.chat_request import parse_chat_request
 from epd.gateway.completions_protocol import parse_completion_request, text_completion_body
@@ -139,6 +140,36 @@ def test_token_ids_only_with_return_token_ids_and_never_with_the_reasoning_left_
     assert ids(_completion(return_token_ids=True)) == [[5], [6]]
     assert ids(_completion()) == [None, None]
     assert ids(_chat(False, return_token_ids=True, include_reasoning=False)) == [None, None]
+
+
+def test_no_logprobs_with_the_reasoning_left_out_whole_or_streamed():
+    """`include_reasoning` false under a reasoning parser: vLLM drops every token's logprobs (the
+    content's too, its `hide_stream_metadata` / `suppress_metadata`), whose token text would show
+    the reasoning; a step with nothing else to say then makes no chunk."""
+    lps = [TokenLogprob(5, "plan", -0.5), TokenLogprob(6, "</think>", -0.1), TokenLogprob(7, "red", -0.25)]
+    ends = ["", "", "stop"]
+    steps = [
+        TokenStep([lp.token_id], lp.token, end, logprobs=[lp]) for lp, end in zip(lps, ends, strict=True)
+    ]
+    summary = _summary(
+        "plan</think>red", [5, 6, 7], [ChoiceSummary(0, "plan</think>red", [5, 6, 7], "stop", None, lps)]
+    )
+
+    def streamed(include_reasoning: bool) -> list:
+        chunks = _chat(True, logprobs=True, include_reasoning=include_reasoning)
+        made = [c for step in steps for c in chunks.add(step)] + chunks.finish(summary)
+        return [(c["choices"][0]["delta"], c["choices"][0]["logprobs"]) for c in made]
+
+    def whole(include_reasoning: bool) -> dict | None:
+        body = completion_body(
+            summary, "epd", thinking=True, include_reasoning=include_reasoning, steps=steps
+        )
+        return body["choices"][0]["logprobs"]
+
+    assert [lp is not None for _, lp in streamed(True)] == [True, True, True]
+    assert streamed(False) == [({"content": "red"}, None)]  # the marker's step says nothing
+    assert [e["token"] for e in whole(True)["content"]] == ["plan", "</think>", "red"]
+    assert whole(False) is None
 
 
 def test_a_step_a_parser_holds_back_makes_no_chunk_unless_it_carries_ids_or_logprobs():

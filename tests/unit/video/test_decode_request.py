@@ -1,24 +1,24 @@
-"""A parallel decode's shared state (`epd.video.decode_request._Request`) on its own, without the pool:
+"""A parallel decode's shared state (`epd.video.decode_request.VideoDecodeRequest`) on its own, without the pool:
 work stealing, failure and cancel bookkeeping."""
 
 from __future__ import annotations
 
 import threading
 
-from epd.video.decode_request import _Request
+from epd.video.decode_request import VideoDecodeRequest
 from epd.video.keyframe_index import build_video_index
 from epd.video.plan import make_plan
 from epd.video.types import MediaError, SamplingOptions
 
 
-def make_request(video_factory, caller_cancel: threading.Event | None = None) -> _Request:
+def make_request(video_factory, caller_cancel: threading.Event | None = None) -> VideoDecodeRequest:
     """A request of 6 frames from 6 GOPs, planned for 2 workers (3 intervals each)."""
     data = video_factory(".mp4", codec="h264", size=(96, 64), fps=10.0, seconds=6.0, gop=10)
     index = build_video_index(data)
     opts = SamplingOptions(num_frames=6)
     plan = make_plan(index, opts, 2, 0.0)
     assert [len(s) for s in plan.shares] == [3, 3]
-    return _Request(data, index, plan, opts, 0.0, caller_cancel=caller_cancel)
+    return VideoDecodeRequest(data, index, plan, opts, 0.0, caller_cancel=caller_cancel)
 
 
 def test_tasks_take_their_share_in_order_then_steal_from_the_back(video_factory):

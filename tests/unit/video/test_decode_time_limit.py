@@ -82,7 +82,7 @@ def test_workers_stuck_inside_a_frame_do_not_hold_the_request_past_the_limit(vid
     timeouts; the stuck workers are replaced, so the pool keeps serving, and each exits once its
     frame returns."""
     data = video_factory(".mp4", codec="h264", **SMALL)
-    real = parallel_decoder._decode_share
+    real = parallel_decoder.decode_share
     release = threading.Event()
     stuck = {"on": True}
 
@@ -93,7 +93,7 @@ def test_workers_stuck_inside_a_frame_do_not_hold_the_request_past_the_limit(vid
         release.wait(timeout=60)
         return None
 
-    monkeypatch.setattr(parallel_decoder, "_decode_share", inside_one_frame)
+    monkeypatch.setattr(parallel_decoder, "decode_share", inside_one_frame)
     others = _decode_threads()
     dec = ParallelDecoder(ParallelDecodeConfig(num_workers=2, seek_cost_frames=0, stall_timeout_s=600,
                                                request_timeout_s=600))  # fmt: skip

@@ -76,7 +76,7 @@ def test_no_fd_or_thread_leak_across_good_and_bad_requests(video_factory):
 
 def test_worker_exception_fails_request_and_pool_recovers(video_factory, monkeypatch):
     good = video_factory(".mp4", codec="h264", **SMALL)
-    real = parallel_decoder._decode_share
+    real = parallel_decoder.decode_share
     calls = {"n": 0}
 
     def flaky(task, retired, *rest):
@@ -85,7 +85,7 @@ def test_worker_exception_fails_request_and_pool_recovers(video_factory, monkeyp
             raise RuntimeError("injected decoder failure with /secret/path")
         return real(task, retired, *rest)
 
-    monkeypatch.setattr(parallel_decoder, "_decode_share", flaky)
+    monkeypatch.setattr(parallel_decoder, "decode_share", flaky)
     with ParallelDecoder(ParallelDecodeConfig(num_workers=2, seek_cost_frames=0)) as dec:
         with pytest.raises(MediaError, match="could not decode the media") as info:
             dec.decode(good, OPTS)
@@ -99,7 +99,7 @@ class _ThreadDeath(BaseException):
 
 def test_crashed_worker_thread_is_replaced(video_factory, monkeypatch):
     good = video_factory(".mp4", codec="h264", **SMALL)
-    real = parallel_decoder._decode_share
+    real = parallel_decoder.decode_share
     calls = {"n": 0}
 
     def crashing(task, retired, *rest):
@@ -108,7 +108,7 @@ def test_crashed_worker_thread_is_replaced(video_factory, monkeypatch):
             raise _ThreadDeath()
         return real(task, retired, *rest)
 
-    monkeypatch.setattr(parallel_decoder, "_decode_share", crashing)
+    monkeypatch.setattr(parallel_decoder, "decode_share", crashing)
     threading_excepthook = threading.excepthook
     monkeypatch.setattr(threading, "excepthook", lambda args: None)  # keep pytest output quiet
     with ParallelDecoder(ParallelDecodeConfig(num_workers=2, seek_cost_frames=0)) as dec:
@@ -124,7 +124,7 @@ def test_crashed_worker_thread_is_replaced(video_factory, monkeypatch):
 
 def test_hung_worker_times_out_and_is_replaced(video_factory, monkeypatch):
     good = video_factory(".mp4", codec="h264", **SMALL)
-    real = parallel_decoder._decode_share
+    real = parallel_decoder.decode_share
     release = threading.Event()
     calls = {"n": 0}
 
@@ -136,7 +136,7 @@ def test_hung_worker_times_out_and_is_replaced(video_factory, monkeypatch):
             return None
         return real(task, retired, *rest)
 
-    monkeypatch.setattr(parallel_decoder, "_decode_share", hanging)
+    monkeypatch.setattr(parallel_decoder, "decode_share", hanging)
     others = set(_decode_threads())
     dec = ParallelDecoder(ParallelDecodeConfig(num_workers=2, seek_cost_frames=0, stall_timeout_s=0.5))
     try:
@@ -157,7 +157,7 @@ def test_hung_worker_times_out_and_is_replaced(video_factory, monkeypatch):
 def test_request_timeout(video_factory, monkeypatch):
     good = video_factory(".mp4", codec="h264", **SMALL)
     release = threading.Event()
-    monkeypatch.setattr(parallel_decoder, "_decode_share", lambda task, retired, *rest: release.wait(30))
+    monkeypatch.setattr(parallel_decoder, "decode_share", lambda task, retired, *rest: release.wait(30))
     dec = ParallelDecoder(ParallelDecodeConfig(num_workers=1, request_timeout_s=0.3, stall_timeout_s=60))
     try:
         with pytest.raises(MediaError, match="did not finish within 0.3 s"):
@@ -171,7 +171,7 @@ def test_a_late_worker_share_is_stolen_and_frames_stay_identical(video_factory, 
     """A task that starts late (a busy core) finds its intervals taken by the other task, which
     ran out of its own: the request finishes without it, with the reference frames."""
     good = video_factory(".mp4", codec="h264", **SMALL)
-    real = parallel_decoder._decode_share
+    real = parallel_decoder.decode_share
     taken: dict[int, int] = {}
 
     def late_or_counting(task, retired, *rest):
@@ -181,7 +181,7 @@ def test_a_late_worker_share_is_stolen_and_frames_stay_identical(video_factory, 
         real(task, retired, *rest)
         taken[task.share] = task.num_decoded_frames - before
 
-    monkeypatch.setattr(parallel_decoder, "_decode_share", late_or_counting)
+    monkeypatch.setattr(parallel_decoder, "decode_share", late_or_counting)
     with ParallelDecoder(ParallelDecodeConfig(num_workers=2, seek_cost_frames=0)) as dec:
         got = dec.decode(good, OPTS)
     assert np.array_equal(got.frames, simple_decoder.decode(good, OPTS).frames)

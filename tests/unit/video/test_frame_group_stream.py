@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from epd.video.decode_request import _Request
+from epd.video.decode_request import VideoDecodeRequest
 from epd.video.frame_group_stream import FrameGroupStream
 from epd.video.keyframe_index import build_video_index
 from epd.video.plan import make_plan
@@ -23,7 +23,7 @@ def test_a_merged_group_stops_at_the_first_group_not_yet_decoded(video_factory, 
     index = build_video_index(data)
     opts = SamplingOptions(num_frames=12)
     plan = make_plan(index, opts, 1, 0.0)
-    req = _Request(data, index, plan, opts, 0.0)
+    req = VideoDecodeRequest(data, index, plan, opts, 0.0)
     interval_of_slot = [req.interval_of_pts[pts] for pts in plan.slot_pts.tolist()]
     assert sorted(set(interval_of_slot)) == [0, 1, 2]
     num_first = interval_of_slot.count(0)

@@ -430,7 +430,7 @@ def test_close_waits_once_for_all_stuck_workers(video_factory, monkeypatch):
     the joins share one deadline (their timeouts add up to the wait, where 5 s each added N x 5 s
     to a cut drain). The joins are recorded, not timed."""
     from epd.video import parallel_decoder
-    from epd.video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder, _Worker
+    from epd.video.parallel_decoder import DecodeWorker, ParallelDecodeConfig, ParallelDecoder
 
     wait_s = 0.3
     monkeypatch.setattr(parallel_decoder, "CLOSE_WAIT_S", wait_s)
@@ -445,13 +445,13 @@ def test_close_waits_once_for_all_stuck_workers(video_factory, monkeypatch):
 
     joins: list[tuple[float, bool]] = []  # (timeout, every worker retired by then)
     workers = list(dec._workers)
-    real_join = _Worker.join
+    real_join = DecodeWorker.join
 
     def recorded_join(self, timeout=None):
         joins.append((timeout, all(w.retired.is_set() for w in workers)))
         real_join(self, timeout)
 
-    monkeypatch.setattr(_Worker, "join", recorded_join)
+    monkeypatch.setattr(DecodeWorker, "join", recorded_join)
     stream = dec.iter_groups(
         video_factory(".mp4", **SMALL), SamplingOptions(num_frames=9), frame_resizer=lambda n: stuck
     )

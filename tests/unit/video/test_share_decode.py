@@ -5,7 +5,7 @@ from __future__ import annotations
 from epd.video.budget import DecodeBudget
 from epd.video.keyframe_index import build_video_index
 from epd.video.media_open import open_video
-from epd.video.share_decode import _seek
+from epd.video.share_decode import seek_to_keyframe
 from epd.video.types import DecodeLimits
 
 # 3 s at 10 fps, a keyframe every 10 frames: 3 GOPs.
@@ -24,6 +24,10 @@ def test_a_worker_seeking_back_to_the_first_interval_lands_at_the_start(video_fa
     first_pts, last_key = int(index.frame_pts[0]), int(index.keyframe_pts[-1])
     with open_video(data) as container:
         stream = container.streams.video[0]
-        next(_seek(container, stream, index, last_key, last_key, None, budget))  # a later GOP first
-        frames = _seek(container, stream, index, int(index.keyframe_pts[0]), first_pts, None, budget)
+        next(
+            seek_to_keyframe(container, stream, index, last_key, last_key, None, budget)
+        )  # a later GOP first
+        frames = seek_to_keyframe(
+            container, stream, index, int(index.keyframe_pts[0]), first_pts, None, budget
+        )
         assert next(frames).pts == first_pts
