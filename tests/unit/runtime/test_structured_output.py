@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 from pathlib import Path
 
 import grpc
@@ -275,9 +276,23 @@ def test_a_constraint_after_the_reasoning_needs_the_think_markers(compiler):
 SLOW_REGEX = "[a-z]*" * 3000
 """Compiles for about 1.4 s on the shipped vocabulary (2-core VM): xgrammar's states multiply."""
 
-SLOWER_REGEX = "[a-z]*" * 5000
-"""About 4 s (2-core VM, loaded), for a test that needs its compile past a 0.5 s deadline
-whatever the load: SLOW_REGEX's took under 0.5 s on a quiet machine."""
+
+def held_compiles(compiler: GrammarCompiler) -> tuple[threading.Event, threading.Event]:
+    """(started, release): `compiler`'s compiles, real ones, start only once `release` is set, and
+    say so in `started`: a test that needs a compile still running past its deadline holds it
+    there, whatever the machine's speed (a slow regex's compile took 4 s under load, under 0.7 s
+    on a quiet machine)."""
+    started, release = threading.Event(), threading.Event()
+    compile_now = compiler.compile_now
+
+    def held(spec: StructuredOutputs):
+        started.set()
+        release.wait()
+        return compile_now(spec)
+
+    compiler.compile_now = held  # type: ignore[method-assign]
+    return started, release
+
 
 CLOSE_WAIT_S = 120.0
 """How long a test's compiler, closing, waits for the compiles it left running past their deadline."""
@@ -360,24 +375,28 @@ def test_a_compile_whose_request_went_away_still_has_its_deadline(tokenizer, new
     leaves the thread to it, and the spec is remembered as too slow."""
     compiler = new_compiler(tokenizer)
     compiler.prepare()
-    # Slower than SLOW_REGEX: asked again below while its abandoned compile still runs. One that has
-    # finished by then is served from the cache instead (as it should be), which SLOW_REGEX's 1.4 s
-    # (less on a quiet machine) did not rule out.
-    slow = StructuredOutputs(regex=SLOWER_REGEX + "z")
+    # Asked again below while its abandoned compile still runs (held there): one that has finished
+    # by then is served from the cache instead, as it should be.
+    slow = StructuredOutputs(regex="(red|green) z")
+    started, release = held_compiles(compiler)
 
     async def run() -> None:
         task = asyncio.ensure_future(compiler.compile(slow, timeout_s=0.5))
-        await asyncio.sleep(0.2)  # compiling by now (it takes seconds)
+        await asyncio.to_thread(started.wait)  # compiling
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        await asyncio.sleep(0.5)  # past its deadline
+        await asyncio.sleep(0.6)  # past its deadline (0.5 s from its start)
         assert compiler.num_abandoned == 1
         assert compiler.num_abandoned_running == 1  # still compiling: its refusal still holds
         with pytest.raises(InvalidConstraint, match="took longer than 0.5 s"):
             await compiler.compile(slow, timeout_s=0.5)
+        release.set()
         await compiler.compile(StructuredOutputs(regex="(red|blue) z"), timeout_s=30)
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        release.set()
 
 
 def test_compiles_left_running_are_bounded_and_past_that_new_specs_are_refused_to_retry(
@@ -416,17 +435,21 @@ def test_a_slow_spec_whose_compile_finished_is_served_from_the_cache(tokenizer, 
     has finished (xgrammar cached it), asking again under the same deadline is served."""
     compiler = new_compiler(tokenizer)
     compiler.prepare()
-    # past its deadline whatever the load (SLOW_REGEX's compile took under 0.5 s on a quiet machine,
-    # once no compile left running by the tests before kept a core busy)
-    slow = StructuredOutputs(regex=SLOWER_REGEX + "c")
+    slow = StructuredOutputs(regex="(red|green) c")
+    _, release = held_compiles(compiler)  # held past its deadline, whatever the machine
 
     async def run() -> None:
         with pytest.raises(InvalidConstraint, match="took longer than 0.5 s"):
             await compiler.compile(slow, timeout_s=0.5)
+        assert compiler.num_abandoned_running == 1
+        release.set()
         while compiler.num_abandoned_running:
             await asyncio.sleep(0.05)
         grammar = await compiler.compile(slow, timeout_s=0.5)
         assert grammar.matcher() is not None
         assert compiler.num_abandoned == 1
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        release.set()
