@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from epd.cli.ask import _result_of
+from epd.cli.ask_embedded import _result_of
 from epd.client import Stage, StageEvent
 from epd.client.types import result_from_proto
 from epd.gateway.ask_types import AskSummary
@@ -54,6 +54,11 @@ def _imports_and_calls(path: Path) -> tuple[set[str], set[str]]:
 def test_the_cli_and_the_serving_benchmark_use_no_protos():
     for rel, allowed in (
         ("epd/cli/ask.py", {"epd.transport.errors"}),  # the embedded mode names its own errors
+        ("epd/cli/ask_inputs.py", set()),
+        ("epd/cli/ask_timeout.py", set()),
+        ("epd/cli/ask_output.py", set()),
+        ("epd/cli/ask_embedded.py", set()),
+        ("epd/cli/ask_remote.py", set()),
         ("epd/cli/configs.py", set()),
         ("bench/serve.py", set()),
     ):
@@ -72,7 +77,7 @@ def test_logprobs_are_printed_after_the_answer_as_a_table_per_token(capsys):
     import json
     import math
 
-    from epd.cli.ask import _print_turns
+    from epd.cli.ask_output import print_turns
     from epd.client import TokenDelta, TokenLogprob, TopLogprob
 
     summary = _summary()
@@ -94,7 +99,7 @@ def test_logprobs_are_printed_after_the_answer_as_a_table_per_token(capsys):
             yield "", stream()
 
         args = argparse.Namespace(json=json_mode, questions=[], interactive=False)
-        asyncio.run(_print_turns(args, turns(), ""))
+        asyncio.run(print_turns(args, turns(), ""))
         return capsys.readouterr().out
 
     lines = printed(False).splitlines()
