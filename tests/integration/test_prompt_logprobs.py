@@ -436,9 +436,8 @@ def test_prompt_logprobs_past_the_gateways_memory_bound_are_refused_before_the_p
     assert out.handle.prompt_logprobs is not None
     num_entries = len(out.handle.prompt_logprobs) * 21
     monkeypatch.setattr(request_checks, "MAX_PROMPT_LOGPROB_ENTRIES", num_entries)
-    prefill_alone(
-        engine, messages, None, GenerationConfig(max_new_tokens=1, prompt_logprobs=20)
-    )  # at the bound
+    # at the bound
+    prefill_alone(engine, messages, None, GenerationConfig(max_new_tokens=1, prompt_logprobs=20))
     monkeypatch.setattr(request_checks, "MAX_PROMPT_LOGPROB_ENTRIES", 21 * 10)
     with pytest.raises(
         ResourceExhausted, match=r"at most 10 prompt tokens at this k\); ask for fewer top tokens"
