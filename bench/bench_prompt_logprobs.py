@@ -7,7 +7,7 @@ k = 0 and k = 20 (vLLM's most by default), the ratio against the plain prefill o
 The model is bench_pruning's ~30M-parameter Qwen2-VL given Qwen2-VL's 151,936-token vocabulary,
 so the lm head over every position (what prompt_logprobs adds: [L, hidden] x [hidden, vocab], then
 a log_softmax, a rank and a top k over [L, vocab], PROMPT_LOGPROBS_CHUNK_BYTES at a time) weighs
-what it weighs in the real model's proportion of head to layers. `PrefillEngine.prefill`, the
+what it weighs in the real model's proportion of head to layers. `whole_prefill.prefill_alone`, the
 configs in turns each round, the median of `--rounds`.
 """
 
@@ -31,6 +31,7 @@ from epd.model_runtime.sampling import GenerationConfig  # noqa: E402
 from epd.model_runtime.tiny_model import build_checkpoint  # noqa: E402
 from epd.prefill_svc.config import PrefillConfig  # noqa: E402
 from epd.prefill_svc.engine import PrefillEngine  # noqa: E402
+from epd.prefill_svc.whole_prefill import prefill_alone  # noqa: E402
 from epd.stages.messages import Message  # noqa: E402
 
 QWEN_VOCAB = 151_936
@@ -61,7 +62,7 @@ def main() -> None:
 
     def run(k: int | None) -> tuple[float, int]:
         t0 = time.perf_counter()
-        out = engine.prefill(messages, None, GenerationConfig(max_new_tokens=1, prompt_logprobs=k))
+        out = prefill_alone(engine, messages, None, GenerationConfig(max_new_tokens=1, prompt_logprobs=k))
         return (time.perf_counter() - t0) * 1e3, out.handle.num_prompt_tokens
 
     run(None)  # untimed: first-call allocations

@@ -42,6 +42,7 @@ from epd.model_runtime.sampling import GenerationConfig  # noqa: E402
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint  # noqa: E402
 from epd.prefill_svc.config import PrefillConfig  # noqa: E402
 from epd.prefill_svc.engine import PrefillEngine  # noqa: E402
+from epd.prefill_svc.whole_prefill import prefill_alone  # noqa: E402
 from epd.stages.contracts import MediaInput  # noqa: E402
 from epd.token_pruning import PruningConfig  # noqa: E402
 from epd.video.types import SamplingOptions  # noqa: E402
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             )
 
             def run_prefill(cfg: PruningConfig = cfg, media=media):
-                return prefill.prefill("what colour is the moving square?", media, gen, cfg)
+                return prefill_alone(prefill, "what colour is the moving square?", media, gen, cfg)
 
             runs = [timed(run_prefill) for _ in range(args.repeats)]
             outcome = runs[0][0]
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             pmedia, _ = enc_p[0]
 
             def run_preset(cfg: PruningConfig = cfg, pmedia=pmedia):
-                return prefill.prefill("what colour is the moving square?", pmedia, gen, cfg)
+                return prefill_alone(prefill, "what colour is the moving square?", pmedia, gen, cfg)
 
             runs = [timed(run_preset) for _ in range(args.repeats)]
             outcome = runs[0][0]

@@ -1,4 +1,5 @@
-"""Prefill: messages + visual embeddings -> KV cache + first token. No gRPC here.
+"""Prefill's work before a request's steps: messages + visual embeddings -> a checked, rendered
+`PrefillRequest` (`render`), and its prefix-cache hit (`admit`). No gRPC here.
 
 A conversation without a media part comes with no media (None): its prompt is the chat template
 of its text alone, with the positions `generate()` gives text (M-RoPE families: every row the
@@ -8,50 +9,33 @@ the tokenizer tokenises text by default, with no chat template. The
 media's options mean nothing to it: its pruning is only `kv_dtype`, as vLLM ignores a request's
 multimodal processor options when it has no media.
 
-The engine's result is the boundary's own type, `PrefillHandle` (without the cache's location,
-which the stage that stores the cache fills in), next to the cache itself."""
+A request's checks that need its prompt or media are `request_checks`', its prefix-cache key
+`prefix_key`'s; the first token and the handle after its last step are `first_token`'s, a
+request run whole and alone `whole_prefill`'s."""
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import logging
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-
-import torch
+from dataclasses import replace
 
 from epd.model_runtime.adapter import (
-    PrefillChunk,
-    Prompt,
     RenderOptions,
-    UnsupportedByFamily,
-    VisualFeatures,
     VisualMeta,
     VLMAdapter,
 )
 from epd.model_runtime.chat_template import check_syntax
-from epd.model_runtime.detokenizer import OutputText
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.loader import ModelLoadError
-from epd.model_runtime.logprobs import (
-    MAX_PROMPT_LOGPROB_ENTRIES,
-    TokenLogprob,
-    prompt_token_logprobs,
-    rows_logprobs,
-    token_logprob,
-)
-from epd.model_runtime.sampling import GenerationConfig, Sampler
+from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.prefix_cache import PrefixCache, PrefixView
-from epd.prefill_svc.pruned_prefill import PrunedPrefill, pruned_prefill
+from epd.prefill_svc.prefix_key import prefix_cache_key
+from epd.prefill_svc.request_checks import check_prompt_logprobs, check_visual, within_context
 from epd.prefill_svc.scheduler import PrefillRequest
 from epd.stages.chat_template import refuse_untrusted
 from epd.stages.contracts import (
-    ChoiceStart,
     EncodedMedia,
-    PrefillHandle,
     bad_words_token_ids,
     check_generation_limits,
     refuse_unsupported_pruning,
@@ -68,31 +52,16 @@ from epd.stages.messages import (
 from epd.stages.model_info import REASONING_MARKERS, ModelInfo
 from epd.stages.raw_prompt import RawPrompt, check_raw_prompt
 from epd.stages.tokenize import TokenizeInput, TokenizeOutput, check_token_ids
-from epd.token_pruning import (
-    ModelSizes,
-    PruningConfig,
-    PruningStats,
-    gather_prompt,
-    prefill_flops,
-    prompt_keep_indices,
-)
+from epd.token_pruning import PruningConfig
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class PrefillOutput:
-    """The handle decoding starts from (`kv_handle` and `kv_address` still empty) and the cache
-    it describes, which the stage stores under a new `kv_handle`."""
-
-    handle: PrefillHandle
-    cache: KvCache
-
-
 class PrefillEngine:
     """The prefill stage's per-request work around the model: validation and the prompt before a
-    request queues (`render`, then `admit`), the first token and the handle after its last step (`finish`).
-    The batched steps in between are `PrefillRunner`'s."""
+    request queues (`render`, then `admit`), and the prefix cache its steps read and fill. The batched
+    steps in between are `PrefillRunner`'s; the first token and the handle after the last step are
+    `first_token.finish_prefill`'s."""
 
     def __init__(self, config: PrefillConfig, adapter: VLMAdapter) -> None:
         """ModelLoadError: `config.max_model_len` above the model's context (`served_context`)."""
@@ -227,37 +196,6 @@ class PrefillEngine:
                 f"{self.max_prompt_tokens}; lower max_frames, fps or max_pixels"
             )
 
-    def _check_visual(self, media: EncodedMedia) -> None:
-        """The number of embeddings must match the grid (or the encoder's kept-token list):
-        a mismatch means encoder and prefill serve different models, and fails this request."""
-        meta, embeds = media.meta, media.embeds
-        full = self.adapter.num_visual_tokens(meta.grid_thw)
-        expected = full if media.token_index is None else int(media.token_index.numel())
-        if (
-            embeds.ndim != 2
-            or embeds.shape[0] != expected
-            or embeds.shape[1] != self.adapter.hidden_size
-            or meta.num_visual_tokens != expected
-        ):
-            raise InvalidRequest(
-                f"visual embeddings have shape {tuple(embeds.shape)}, expected "
-                f"[{expected}, {self.adapter.hidden_size}]: encoder and prefill serve different models"
-            )
-        if (
-            media.token_index is not None
-            and media.token_index.numel()
-            and (int(media.token_index.max()) >= full or bool((media.token_index.diff() <= 0).any()))
-        ):
-            raise InvalidRequest("kept_token_index must be increasing and within the grid's tokens")
-        family = self.adapter.family or type(self.adapter).__name__
-        if len(media.deepstack) != self.adapter.num_deepstack_layers:
-            raise InvalidRequest(
-                f"the media carries {len(media.deepstack)} DeepStack features but this {family} model "
-                f"adds {self.adapter.num_deepstack_layers}: encoder and prefill serve different models"
-            )
-        if any(tuple(d.shape) != tuple(embeds.shape) for d in media.deepstack):
-            raise InvalidRequest("each DeepStack feature must have the visual embeddings' shape, row for row")
-
     def render(
         self,
         messages: Sequence[Message],
@@ -301,7 +239,7 @@ class PrefillEngine:
             self.adapter.family, self.adapter.supported_pruning, self.adapter.pruning_refusal_reason, pruning
         )
         if media is not None:
-            self._check_visual(media)
+            check_visual(self.adapter, media)
         meta = None if media is None else media.meta
         if checkpoint is not None:  # checked: the prompt next (the template, the tokens, the positions)
             checkpoint()
@@ -333,7 +271,9 @@ class PrefillEngine:
                     else "send a shorter conversation"
                 )
             )
-        generation = self._within_context(prompt.num_tokens, generation, raw=raw_prompt is not None)
+        generation = within_context(
+            self.context_tokens, prompt.num_tokens, generation, raw=raw_prompt is not None
+        )
         exclusive = (
             (media is not None and media.token_index is not None)
             or pruning.prefill_drop
@@ -341,7 +281,7 @@ class PrefillEngine:
             or pruning.decode_evict
         )
         if generation.prompt_logprobs is not None:
-            self._check_prompt_logprobs(exclusive, prompt.num_tokens, generation.prompt_logprobs)
+            check_prompt_logprobs(self.adapter, exclusive, prompt.num_tokens, generation.prompt_logprobs)
         request = PrefillRequest(
             request_id,
             priority=generation.priority,
@@ -356,7 +296,9 @@ class PrefillEngine:
         # Pruned requests neither store nor reuse: their cache depends on the question (prefill
         # drop, KV compression, decode eviction's mask) or is built on a gathered prompt.
         if use_prefix_cache and not exclusive and self.prefix_caching and self.prefix_cache.enabled:
-            request.prefix_key = self._prefix_key(media, pruning, cache_salt, raw=raw_prompt is not None)
+            request.prefix_key = prefix_cache_key(
+                self.adapter.fingerprint, media, pruning, cache_salt, raw=raw_prompt is not None
+            )
             visual = prompt.visual_mask.nonzero()
             # The media comes after text-only turns ("hello", an answer, then the video): their
             # entry (the text-only key) holds this prompt's KV up to its first visual token, the
@@ -367,7 +309,9 @@ class PrefillEngine:
             # conversation with the same opening finds it, and the text turns' entry, which it
             # supersedes, leaves (`PrefixCache.put`).
             if media is not None and visual.numel() and not media_in_opening(messages):
-                request.prefix_also = PrefixView(self._prefix_key(None, pruning, cache_salt), int(visual[0]))
+                request.prefix_also = PrefixView(
+                    prefix_cache_key(self.adapter.fingerprint, None, pruning, cache_salt), int(visual[0])
+                )
         return request
 
     def admit(self, request: PrefillRequest) -> PrefillRequest:
@@ -390,94 +334,6 @@ class PrefillEngine:
             request.num_reused_tokens = request.num_computed_tokens = hit.num_reused_tokens
         return request
 
-    def _check_prompt_logprobs(self, exclusive: bool, num_prompt_tokens: int, k: int) -> None:
-        """InvalidRequest when `prompt_logprobs` cannot be computed for this request: a family whose
-        prefill has no per-position logits, or token dropping / KV compression, whose prompt runs
-        gathered or layer by layer (the dropped positions would have no logits, and what is kept is
-        not the prompt the model would see). ResourceExhausted past `MAX_PROMPT_LOGPROB_ENTRIES`, the
-        memory one answer may take, before the prompt runs."""
-        if not self.adapter.supports_prompt_logprobs:
-            family = self.adapter.family or type(self.adapter).__name__
-            raise InvalidRequest(f"this {family} model does not compute prompt_logprobs; leave it unset")
-        if (num_entries := num_prompt_tokens * (k + 1)) > MAX_PROMPT_LOGPROB_ENTRIES:
-            raise ResourceExhausted(
-                f"prompt_logprobs={k} for a {num_prompt_tokens}-token prompt would be {num_entries} entries "
-                f"(prompt tokens x (k + 1)), over the {MAX_PROMPT_LOGPROB_ENTRIES} one answer may hold (the "
-                f"gateway's memory for it; at most {MAX_PROMPT_LOGPROB_ENTRIES // (k + 1)} prompt tokens at "
-                "this k); ask for fewer top tokens, or send a shorter prompt"
-            )
-        if exclusive:
-            raise InvalidRequest(
-                "prompt_logprobs cannot be computed with token dropping or KV compression (the "
-                "pruned prompt is not the one the model would see); turn pruning off or leave "
-                "prompt_logprobs unset"
-            )
-
-    def _within_context(
-        self, num_prompt_tokens: int, generation: GenerationConfig, raw: bool
-    ) -> GenerationConfig:
-        """`generation` as it fits the served context after a prompt of `num_prompt_tokens`: as
-        asked, or, for a max_tokens left unset (`fit_max_new_tokens`), lowered to what the context
-        leaves (vLLM's default max_tokens); InvalidRequest (vLLM's 400) saying what to change when
-        it cannot fit. `raw`: a raw prompt's (the advice names a prompt, not a conversation)."""
-        context = self.context_tokens
-        if context is None or num_prompt_tokens + generation.max_new_tokens <= context:
-            return generation
-        shorter = "send a shorter prompt" if raw else "send a shorter conversation or fewer frames"
-        if not generation.fit_max_new_tokens:
-            raise InvalidRequest(
-                f"this model's context is {context} tokens, but the request needs "
-                f"{num_prompt_tokens + generation.max_new_tokens}: {num_prompt_tokens} in the prompt and up to "
-                f"{generation.max_new_tokens} to generate (max_tokens); {shorter}, or ask for fewer tokens"
-            )
-        room = context - num_prompt_tokens  # tokens the answer may have
-        if room >= max(1, generation.min_tokens):
-            return replace(generation, max_new_tokens=room)
-        # The client set no max_tokens: advice to ask for fewer would not help.
-        said = f"this model's context is {context} tokens and the prompt has {num_prompt_tokens}"
-        if room < 1:
-            raise InvalidRequest(f"{said}, which leaves none for the answer: {shorter}")
-        raise InvalidRequest(
-            f"{said}, which leaves {room} for the answer, fewer than min_tokens "
-            f"({generation.min_tokens}): lower min_tokens, or {shorter}"
-        )
-
-    def _prefix_key(
-        self, media: EncodedMedia | None, pruning: PruningConfig, cache_salt: str = "", raw: bool = False
-    ) -> tuple:
-        """What makes two prompts with the same token ids have different KV: the model, the media
-        as encoded (hash, grid, frames sampled, encoder pruning, and a digest of the embeddings
-        themselves, so that different encodes never match) and how the cache is kept (kv_dtype);
-        and whose it is (`cache_salt`, the tenant: the same video's embeddings are equal for
-        every tenant, so without it one tenant's follow-up would reuse another's KV). A text-only
-        conversation's key names no media, so it never matches a media request's (whose token
-        ids differ anyway: the placeholders), and its follow-ups find it as a video's do. A raw
-        prompt's (`raw`) names neither: a raw prompt continues only raw prompts that begin alike,
-        never a chat prompt whose rendered text it happens to spell."""
-        if raw:
-            return (self.adapter.fingerprint, "raw prompt", pruning.kv_dtype, cache_salt)
-        if media is None:
-            return (self.adapter.fingerprint, "text only", pruning.kv_dtype, cache_salt)
-        digest = hashlib.sha256()
-        for tensor in (media.embeds, *media.deepstack):  # ~5 ms per 7 MB
-            digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
-        meta = media.meta
-        return (
-            self.adapter.fingerprint,
-            media.sha256,
-            meta.modality,
-            tuple(meta.grid_thw),
-            meta.second_per_grid_t,
-            tuple(meta.group_timestamps_s),
-            meta.num_visual_tokens,
-            tuple(media.frame_timestamps_s),
-            None if media.token_index is None else tuple(media.token_index.tolist()),
-            tuple((s.stage, s.num_visual_tokens_in, s.num_visual_tokens_out) for s in media.pruning.stages),
-            pruning.kv_dtype,
-            digest.hexdigest(),
-            cache_salt,
-        )
-
     def prefix_start_cache(self, request: PrefillRequest):
         """The adapter's cache of tokens [0, num_reused_tokens) for a prefix-cache hit's first
         chunk: a copy of the stored entry's KV [:, :, :reused] (the entry is never written)."""
@@ -499,215 +355,3 @@ class PrefillEngine:
         self.prefix_cache.put(
             request.prefix_key, request.prompt.input_ids[0], cache, cache.num_bytes, also=request.prefix_also
         )
-
-    def prefill(
-        self,
-        messages: Sequence[Message],
-        media: EncodedMedia | None,
-        generation: GenerationConfig,
-        pruning: PruningConfig = PruningConfig(),
-    ) -> PrefillOutput:
-        """One request, whole and alone (benchmarks and tools; the service runs `PrefillRunner`).
-        The prefix cache is left alone: a benchmark repeating a prompt times the whole prefill."""
-        request = self.render(messages, media, generation, pruning, use_prefix_cache=False)
-        t0 = time.perf_counter()
-        if request.exclusive:
-            return self.prefill_pruned(request)
-        prompt = _parts(request)[0]
-        if generation.prompt_logprobs is not None:  # every position's logits: the chunked path's
-            features = self.features(request)
-            row = PrefillChunk(
-                prompt,
-                features.embeds,
-                0,
-                prompt.num_tokens,
-                None,
-                features.deepstack,
-                generation.prompt_logprobs,
-            )
-            result = self.adapter.prefill_chunks([row])[0]
-            request.prompt_logprob_rows = result.prompt_logprobs
-            cache = self.adapter.chunk_cache_to_kv(result.cache)
-            return self.finish(request, cache, result.last_logits, (time.perf_counter() - t0) * 1e3)
-        state = self.adapter.prefill_features(prompt, self.features(request))
-        return self.finish(request, state.cache, state.last_logits, (time.perf_counter() - t0) * 1e3)
-
-    def prefill_pruned(self, request: PrefillRequest) -> PrefillOutput:
-        """A request with token dropping or KV compression: whole and alone, as `pruned_prefill` does it."""
-        prompt, media, pruning = _parts(request)
-        assert media is not None  # a text-only request is never exclusive (`render`)
-        if media.deepstack:
-            return self._prefill_kept_tokens(request)
-        t0 = time.perf_counter()
-        stats = PruningStats(stages=list(media.pruning.stages), num_key_tokens=media.pruning.num_key_tokens)
-        try:
-            out = pruned_prefill(
-                self.adapter, prompt, media.embeds, media.token_index, media.key_mask, pruning, stats
-            )
-        except ValueError as exc:  # budgets that cannot be met (e.g. key tokens over budget)
-            raise InvalidRequest(str(exc)) from None
-        return self.finish(
-            request,
-            out.state.cache,
-            out.state.last_logits,
-            (time.perf_counter() - t0) * 1e3,
-            stats=stats,
-            pruned=out,
-        )
-
-    def _prefill_kept_tokens(self, request: PrefillRequest) -> PrefillOutput:
-        """A DeepStack family's request whose encoder dropped tokens (the only pruning it has
-        before decode, `refuse_unsupported_pruning`): the prompt without the dropped placeholders,
-        every kept token at its full-prompt position, and the DeepStack features' rows of the kept
-        tokens (the encoder kept the same rows), run whole through `prefill_features`."""
-        prompt, media, _ = _parts(request)
-        assert media is not None and media.token_index is not None
-        t0 = time.perf_counter()
-        full_visual = prompt.visual_mask.nonzero().flatten()  # [V] prompt index of each placeholder
-        keep = prompt_keep_indices(prompt.num_tokens, full_visual, media.token_index)  # [L'] increasing
-        kept = gather_prompt(prompt.input_ids, prompt.position_ids, keep)
-        kept_prompt = Prompt(kept.input_ids, kept.position_ids, prompt.visual_mask[keep])
-        try:
-            state = self.adapter.prefill_features(kept_prompt, self.features(request))
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from None
-        stats = PruningStats(stages=list(media.pruning.stages), num_key_tokens=media.pruning.num_key_tokens)
-        with contextlib.suppress(UnsupportedByFamily):  # a family without text_dims: no estimate
-            sizes = ModelSizes.from_dims(self.adapter.text_dims)
-            stats.prefill_flops_full = prefill_flops(sizes, prompt.num_tokens)
-            stats.prefill_flops_pruned = prefill_flops(sizes, kept_prompt.num_tokens)
-        cache = state.cache
-        stats.kv_bytes_before = stats.kv_bytes_after = cache.num_bytes
-        # [layers, kv_heads, cached] bool: the visual entries (decode eviction is refused for
-        # DeepStack families, so nobody reads it; kept for PrunedPrefill's shape)
-        visual_entries = kept_prompt.visual_mask.expand(len(cache.keys), cache.keys[0].shape[1], -1).clone()
-        pruned = PrunedPrefill(state, visual_entries, media.token_index.tolist(), cache.num_bytes)
-        ms = (time.perf_counter() - t0) * 1e3
-        return self.finish(request, cache, state.last_logits, ms, stats=stats, pruned=pruned)
-
-    def finish(
-        self,
-        request: PrefillRequest,
-        cache: KvCache,
-        last_logits: torch.Tensor,
-        prefill_ms: float,
-        stats: PruningStats | None = None,
-        pruned: PrunedPrefill | None = None,
-    ) -> PrefillOutput:
-        """The prompt's cache and last logits -> the first token and the handle decoding starts from."""
-        prompt, media, pruning = _parts(request)
-        if stats is None:
-            stats = (
-                PruningStats()
-                if media is None
-                else PruningStats(
-                    stages=list(media.pruning.stages), num_key_tokens=media.pruning.num_key_tokens
-                )
-            )
-        num_in = 0 if media is None else media.meta.num_visual_tokens
-        if pruned is not None:
-            mask, kept, kv_before, num_out = (
-                pruned.visual_entry_mask,
-                pruned.kept_visual_token_index,
-                pruned.kv_bytes_before,
-                len(pruned.kept_visual_token_index),
-            )
-        else:
-            mask, kept, kv_before, num_out = None, [], cache.num_bytes, num_in
-        if pruning.kv_dtype != "auto":
-            cache = cache.cast(getattr(torch, pruning.kv_dtype))
-            stats.kv_bytes_before = kv_before
-            stats.kv_bytes_after = cache.num_bytes
-        assert request.generation is not None
-        # The whole prompt as generate() sees it (media placeholders included, whatever pruning
-        # dropped), for repetition_penalty only: the decoder gets these ids too, it has no prompt.
-        distinct_prompt_ids = (
-            torch.unique(prompt.input_ids).tolist() if request.generation.repetition_penalty != 1.0 else []
-        )
-        bad_words = request.bad_words_token_ids
-        # A constraint that waits for the reasoning's end holds at once when the prompt closed the
-        # thinking block (vLLM reads its prompt so); the decoder, which has no prompt, is told.
-        ends_reasoning = request.grammar is not None and request.grammar.prompt_ends_reasoning(
-            prompt.input_ids[0].tolist()
-        )
-        # One first token per choice (vLLM's n), each by the choice's own sampler (seed + i, and its
-        # own matcher of a structured-output constraint) from the same logits [vocab]; a sampler may
-        # change the logits it gets, so each gets a copy.
-        starts = []
-        row = None
-        for index in range(request.generation.n):
-            generation = request.generation.for_choice(index)
-            sampler = Sampler(
-                generation,
-                0,
-                distinct_prompt_ids,
-                self.adapter.eos_token_ids,
-                bad_words,
-                request.grammar,
-                ends_reasoning,
-            )
-            if index == 0 and (k := request.generation.logprobs) is not None:
-                # The raw distribution (last_logits [vocab]), taken before the sampler's processors
-                # run (after a structured-output constraint's mask, as vLLM's: `Sampler.allowed`);
-                # one row for every choice (their tokens differ, the distribution does not).
-                row = rows_logprobs(sampler.allowed(last_logits).unsqueeze(0), [k])[0]
-            token = sampler(last_logits if request.generation.n == 1 else last_logits.clone())
-            # The decoder's first step, worked out here so the first token can go out before the
-            # cache reaches a decoder; a token that ends the request is left to the decoder.
-            output = OutputText(
-                self.adapter.detokenize,
-                self.adapter.eos_token_ids,
-                generation,
-                eos_token_id=self.adapter.eos_token_id,
-            )
-            text, finish = output.add(token)
-            logprob = None if row is None else token_logprob(row, token, self.adapter.token_text)
-            starts.append(ChoiceStart(token, None if finish else text, logprob))
-        first, first_text = starts[0].first_token_id, starts[0].first_text
-        handle = PrefillHandle(
-            first_token_id=first,
-            num_prompt_tokens=prompt.num_tokens,
-            num_cached_tokens=cache.num_cached_tokens,
-            next_position_ids=[int(x) for x in prompt.position_ids[:, 0, -1] + 1],
-            kv_num_bytes=cache.num_bytes,
-            prefill_ms=prefill_ms,
-            num_visual_tokens_in=num_in,
-            num_visual_tokens_out=num_out,
-            kv_num_bytes_uncompressed=kv_before,
-            pruning=stats,
-            # [layers, kv_heads, cached] bool; sent only when decode-stage eviction will use it.
-            visual_entry_mask=mask if pruning.decode_evict else None,
-            kept_visual_token_index=kept,
-            num_reused_prompt_tokens=request.num_reused_tokens,
-            first_text=first_text,
-            distinct_prompt_token_ids=distinct_prompt_ids,
-            prompt_ends_reasoning=ends_reasoning,
-            max_new_tokens=request.generation.max_new_tokens,
-            first_logprob=starts[0].first_logprob,
-            other_choices=starts[1:],
-            prompt_logprobs=self._prompt_logprobs(request),
-        )
-        return PrefillOutput(handle, cache)
-
-    def _prompt_logprobs(self, request: PrefillRequest) -> list[TokenLogprob] | None:
-        """The prompt logprobs its chunks computed (`PrefillRequest.prompt_logprob_rows`), with texts."""
-        rows = request.prompt_logprob_rows
-        if request.generation is None or request.generation.prompt_logprobs is None or rows is None:
-            return None
-        prompt, _, _ = _parts(request)
-        return prompt_token_logprobs(rows, prompt.input_ids[0].tolist(), self.adapter.token_text)
-
-    def features(self, request: PrefillRequest) -> VisualFeatures:
-        """The request's embeddings [V, hidden] and DeepStack features (None for families without
-        them); a text-only request's are empty ([0, hidden] each), so it runs and batches as any
-        prompt, its visual mask all False."""
-        media = request.media
-        if media is not None:
-            return VisualFeatures(media.embeds, list(media.deepstack) or None)
-        empty = torch.empty(0, self.adapter.hidden_size)
-        return VisualFeatures(empty, [empty] * self.adapter.num_deepstack_layers or None)
-
-
-def _parts(request: PrefillRequest) -> tuple[Prompt, EncodedMedia | None, PruningConfig]:
-    assert request.prompt is not None and request.pruning is not None
-    return request.prompt, request.media, request.pruning

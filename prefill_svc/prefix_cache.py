@@ -7,7 +7,7 @@ before the next one (unit-tested with fake entries, tests/unit/stages/test_prefi
     key   = what makes two prompts' KV differ besides their token ids: the model, the media as
             encoded (hash, grid, sampling, encoder pruning, a digest of the embeddings) and the
             request's question-independent settings (`kv_dtype`); built by the engine
-            (`PrefillEngine._prefix_key`) and opaque here
+            (`prefix_key.prefix_cache_key`) and opaque here
 
     lookup(key, ids, min_reuse) -> among the entries of `key`, the one whose ids share the longest
             common prefix (LCP) with `ids`; reused length = min(LCP, len(ids) - 1) (at least one

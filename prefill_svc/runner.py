@@ -3,7 +3,7 @@
     step = [whole prompts] + [first chunks] + [next chunks of prompts already started]
         rows without a cache  -> one right-padded forward (adapter.prefill_chunks)
         rows with a cache     -> the chunk after the row's own cache
-    a request whose last token is computed -> first token + handle (PrefillEngine.finish)
+    a request whose last token is computed -> first token + handle (`first_token.finish_prefill`)
 
 A request with token dropping or KV compression (`exclusive`) is always alone in its step and runs
 `pruned_prefill` whole, exactly as before batching. The runner owns each part-way request's cache
@@ -12,7 +12,7 @@ between its chunks and frees it in `release`.
 A prefix-cache hit starts part-way: its first chunk continues from a copy of the stored entry's KV
 [0, reused) (`PrefillEngine.prefix_start_cache`), built at its first step, so a waiting hit holds
 no copy. A finished prompt's KV goes into the prefix cache (`PrefillEngine.remember`) before
-`finish` casts it to the request's kv_dtype.
+`finish_prefill` casts it to the request's kv_dtype.
 """
 
 from __future__ import annotations
@@ -24,8 +24,11 @@ from typing import Any
 
 from epd.model_runtime.adapter import PrefillChunk
 from epd.model_runtime.sampling import SamplingFailed
-from epd.prefill_svc.engine import PrefillEngine, PrefillOutput
+from epd.prefill_svc.engine import PrefillEngine
+from epd.prefill_svc.first_token import PrefillOutput, finish_prefill
+from epd.prefill_svc.request_inputs import request_features
 from epd.prefill_svc.scheduler import PrefillRequest
+from epd.prefill_svc.whole_prefill import prefill_pruned_request
 from epd.stages.engine_core import ModelRunner, RequestFailed
 from epd.stages.errors import EpdError
 
@@ -49,7 +52,7 @@ class PrefillRunner(ModelRunner[PrefillRequest]):
             if r not in self._caches and r.prefix is not None:  # a prefix-cache hit's first step
                 self._caches[r] = self.engine.prefix_start_cache(r)
                 r.prefix = None  # the copy is made: an eviction may now free the entry
-            features = self.engine.features(r)  # a text-only request's: no rows
+            features = request_features(self.adapter, r)  # a text-only request's: no rows
             rows.append(
                 PrefillChunk(
                     r.prompt,
@@ -78,8 +81,8 @@ class PrefillRunner(ModelRunner[PrefillRequest]):
             cache = self.adapter.chunk_cache_to_kv(result.cache)
             self.engine.remember(r, cache)
             try:
-                out: PrefillOutput | RequestFailed = self.engine.finish(
-                    r, cache, result.last_logits, _ms_since(r.first_scheduled_s)
+                out: PrefillOutput | RequestFailed = finish_prefill(
+                    self.adapter, r, cache, result.last_logits, _ms_since(r.first_scheduled_s)
                 )
             except EpdError as exc:  # this request's own settings: it fails alone
                 out = RequestFailed(exc)
@@ -114,7 +117,7 @@ class PrefillRunner(ModelRunner[PrefillRequest]):
         """Whole and alone; a refusal (e.g. a budget its key tokens cannot meet) fails it alone."""
         request.finished = True
         try:
-            out = self.engine.prefill_pruned(request)
+            out = prefill_pruned_request(self.adapter, request)
         except EpdError as exc:
             return RequestFailed(exc)
         request.num_scheduled_tokens = request.num_remaining_tokens

@@ -29,7 +29,8 @@ from typing import Any, TypeVar
 from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs
 from epd.model_runtime.structured_output import CompiledGrammar, close_compiler, compile_for
 from epd.model_runtime.threads import pin_torch_threads
-from epd.prefill_svc.engine import PrefillEngine, PrefillOutput
+from epd.prefill_svc.engine import PrefillEngine
+from epd.prefill_svc.first_token import PrefillOutput
 from epd.prefill_svc.kv_store import KvStore
 from epd.prefill_svc.runner import PrefillRunner
 from epd.prefill_svc.scheduler import PrefillRequest, PrefillScheduler

@@ -400,7 +400,7 @@ class Qwen3VLAdapter(Qwen3VLProcessorAdapter, QwenTextAdapter):
     # Query capture works (the shared hooks apply the attention's q/k norm). The layer-by-layer
     # prefill (prefill drop, KV compression) is refused: it would have to add the DeepStack
     # features to the survivors at the first layers, and the pruned prefill does not carry them.
-    # (Encode-stage dropping runs whole through `prefill_features`, prefill_svc/engine.py.)
+    # (Encode-stage dropping runs whole through `prefill_features`, prefill_svc/whole_prefill.py.)
 
     def layerwise_prefill(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> LayerwisePass:
         raise UnsupportedByFamily(

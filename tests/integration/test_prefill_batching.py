@@ -29,6 +29,7 @@ from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
 from epd.prefill_svc.engine import PrefillEngine
 from epd.prefill_svc.kv_store import KvStore
 from epd.prefill_svc.stage import LocalPrefillStage
+from epd.prefill_svc.whole_prefill import prefill_alone
 from epd.stages.contracts import EncodedMedia
 from epd.stages.errors import ResourceExhausted
 from epd.stages.messages import question_messages
@@ -94,7 +95,7 @@ class Family:
         # Alone: the unbatched path the service ran before the core (adapter.prefill), one by one.
         engine = PrefillEngine(PrefillConfig(), self.adapter)
         self.alone = [
-            engine.prefill(question_messages(q, m), media, GREEDY)
+            prefill_alone(engine, question_messages(q, m), media, GREEDY)
             for (m, _, q), media in zip(_kinds(), self.media, strict=True)
         ]
 
@@ -198,7 +199,7 @@ def test_pruned_requests_keep_their_exact_semantics_among_batched_ones(families,
         return await asyncio.gather(plain, pruned)
 
     plain, pruned = asyncio.run(run())
-    expected = stage.engine.prefill(question_messages(q, m), fam.media[2], GREEDY, pruning)
+    expected = prefill_alone(stage.engine, question_messages(q, m), fam.media[2], GREEDY, pruning)
     got = stage.kv_store.take(pruned.kv_handle)
     assert pruned.kept_visual_token_index == expected.handle.kept_visual_token_index
     assert len(pruned.kept_visual_token_index) < fam.media[2].meta.num_visual_tokens  # it did drop

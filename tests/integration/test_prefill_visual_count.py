@@ -1,6 +1,6 @@
 """Every family's `prefill` refuses visual embeddings that do not fill the prompt's visual
 positions one for one (`HfTextAdapter._prefill_whole`, one check for all). The prefill engine
-checks the count against the grid first (`PrefillEngine._check_visual`); this is the adapter's
+checks the count against the grid first (`request_checks.check_visual`); this is the adapter's
 own guard for any other caller: `masked_scatter` would silently take the first of too many.
 Real tiny checkpoints of every family."""
 

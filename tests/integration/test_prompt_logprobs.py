@@ -423,21 +423,23 @@ def test_prompt_logprobs_past_the_gateways_memory_bound_are_refused_before_the_p
 ):
     """prompt tokens x (k + 1) entries past MAX_PROMPT_LOGPROB_ENTRIES (what the gateway holds for
     one answer) are refused (413) before any forward, saying the most prompt tokens at that k."""
-    import epd.prefill_svc.engine as engine_module
+    import epd.prefill_svc.request_checks as request_checks
     from epd.prefill_svc.engine import PrefillEngine
+    from epd.prefill_svc.whole_prefill import prefill_alone
     from epd.stages.errors import ResourceExhausted
     from epd.stages.messages import Message
 
     model = ModelConfig(model=str(tiny_models["qwen2_vl"]))
     engine = PrefillEngine(PrefillConfig(model=model), load_adapter(model, "prefill"))
     messages = [Message.user(PROMPT + " " + TEXT_CHAT[1]["content"][0]["text"])]
-    out = engine.prefill(messages, None, GenerationConfig(max_new_tokens=1, prompt_logprobs=20))
+    out = prefill_alone(engine, messages, None, GenerationConfig(max_new_tokens=1, prompt_logprobs=20))
     assert out.handle.prompt_logprobs is not None
     num_entries = len(out.handle.prompt_logprobs) * 21
-    monkeypatch.setattr(engine_module, "MAX_PROMPT_LOGPROB_ENTRIES", num_entries)
-    engine.prefill(messages, None, GenerationConfig(max_new_tokens=1, prompt_logprobs=20))  # at the bound
-    monkeypatch.setattr(engine_module, "MAX_PROMPT_LOGPROB_ENTRIES", 21 * 10)
+    monkeypatch.setattr(request_checks, "MAX_PROMPT_LOGPROB_ENTRIES", num_entries)
+    # at the bound
+    prefill_alone(engine, messages, None, GenerationConfig(max_new_tokens=1, prompt_logprobs=20))
+    monkeypatch.setattr(request_checks, "MAX_PROMPT_LOGPROB_ENTRIES", 21 * 10)
     with pytest.raises(
         ResourceExhausted, match=r"at most 10 prompt tokens at this k\); ask for fewer top tokens"
     ):
-        engine.prefill(messages, None, GenerationConfig(max_new_tokens=1, prompt_logprobs=20))
+        prefill_alone(engine, messages, None, GenerationConfig(max_new_tokens=1, prompt_logprobs=20))

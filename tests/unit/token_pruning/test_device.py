@@ -212,6 +212,7 @@ def _ask_pruned(adapter, video, pruning: PruningConfig, max_new_tokens: int):
     from epd.model_runtime.sampling import GenerationConfig
     from epd.prefill_svc.config import PrefillConfig
     from epd.prefill_svc.engine import PrefillEngine
+    from epd.prefill_svc.whole_prefill import prefill_pruned_request
     from epd.stages.contracts import EncodedMedia
     from epd.stages.messages import question_messages
     from epd.token_pruning import PruningStats
@@ -226,7 +227,9 @@ def _ask_pruned(adapter, video, pruning: PruningConfig, max_new_tokens: int):
                          key_mask=key_mask, pruning=stats)  # fmt: skip
     generation = GenerationConfig(max_new_tokens=max_new_tokens)
     prefill = PrefillEngine(PrefillConfig(), adapter)
-    out = prefill.prefill_pruned(prefill.render(question_messages("what moves?"), media, generation, pruning))
+    out = prefill_pruned_request(
+        prefill.adapter, prefill.render(question_messages("what moves?"), media, generation, pruning)
+    )
     h = out.handle
     decoding = DecodeEngine(adapter).start(
         out.cache, h.first_token_id, h.next_position_ids, generation, h.visual_entry_mask, pruning

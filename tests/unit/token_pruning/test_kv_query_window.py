@@ -17,6 +17,7 @@ from epd.model_runtime.loader import load_adapter
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.engine import PrefillEngine
+from epd.prefill_svc.whole_prefill import prefill_pruned_request
 from epd.stages.contracts import EncodedMedia
 from epd.stages.messages import question_messages
 from epd.token_pruning import PruningConfig, resolve_keep_count
@@ -52,7 +53,7 @@ def test_a_window_into_the_video_scores_with_the_text_after_it(tiny_models, medi
                                kv_compress=True, kv_keep_ratio=0.5, kv_query_window=window)  # fmt: skip
         request = engine.render(question_messages("what colour is the moving square?"), media,
                                  GenerationConfig(max_new_tokens=1), config)  # fmt: skip
-        caches[window] = engine.prefill_pruned(request).cache
+        caches[window] = prefill_pruned_request(engine.adapter, request).cache
 
     visual = request.prompt.visual_mask.nonzero().flatten()  # [V] in the prompt
     num_tokens, num_visual = request.prompt.num_tokens, visual.numel()
@@ -78,7 +79,7 @@ def test_a_prefill_drop_window_into_the_video_scores_with_the_text_after_it(tiny
                                prefill_query_window=window)  # fmt: skip
         request = engine.render(question_messages("what colour is the moving square?"), media,
                                  GenerationConfig(max_new_tokens=1), config)  # fmt: skip
-        out = engine.prefill_pruned(request)
+        out = prefill_pruned_request(engine.adapter, request)
         kept[window], caches[window] = out.handle.kept_visual_token_index, out.cache
 
     visual = request.prompt.visual_mask.nonzero().flatten()
