@@ -57,8 +57,6 @@ _COMMON_PRELOAD = (
     "epd.model_runtime.loader",
     "epd.model_runtime.hf_loading",
     "epd.model_runtime.hf_text",
-    "epd.model_runtime.one_dim_text",
-    "epd.model_runtime.qwen_text",
     # What every service imports after the fork before it serves, gRPC-free (the command line, the
     # stages' configs, aiohttp for media URLs): ~0.4 s of CPU each service (and each command a test
     # forks, tests/stack.py) skips. Those that import grpc (epd.cli.serve, epd.cli.configs, the
