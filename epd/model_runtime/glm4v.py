@@ -47,9 +47,10 @@ from epd.model_runtime.adapter import (
 )
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.hf_loading import end_of_sequence, fingerprint, load_language_model, load_vision_part
-from epd.model_runtime.hf_text import checked_visual_mask, mrope_prompt_positions
+from epd.model_runtime.prompt_positions import mrope_prompt_positions
 from epd.model_runtime.qwen3_vl import ClipResizeAdapter, expanded_ids
 from epd.model_runtime.qwen_text_layers import count_parameters, dims_of
+from epd.model_runtime.visual_placeholders import checked_visual_mask
 from epd.video.types import DecodedVideo
 
 STAGE_PARTS = {"encoder": {"vision"}, "prefill": {"language"}, "decode": {"language"}}

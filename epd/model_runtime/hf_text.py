@@ -1,30 +1,24 @@
 """The language-model side every family runs on transformers' text models: decode (one request or
 a batch), the decode cache and KV sizes, chunked prefill's row handling, and the small accessors
 the engines and pruning code use. A family subclasses `HfTextAdapter` and overrides the hooks
-where its model differs (`_text_positions` for 1-D rotary positions, `OneDimTextAdapter` the
-whole of it; `_kv_shape` for hybrid layers)."""
+where its model differs (`_text_positions` for 1-D rotary positions, `one_dim_text.OneDimTextAdapter`
+the whole of it; `_kv_shape` for hybrid layers)."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from typing import Any, NoReturn
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
-from jinja2 import TemplateError, TemplateSyntaxError, UndefinedError
+from jinja2 import TemplateError, TemplateSyntaxError
 from jinja2.exceptions import SecurityError
 
 from epd.model_runtime.adapter import (
-    CapturedQueries,
     ChunkResult,
-    LayerwisePass,
     PrefillChunk,
     PrefillState,
     Prompt,
     RenderOptions,
-    TextDims,
-    VisualMeta,
     VLMAdapter,
 )
 from epd.model_runtime.batch_kv import BatchKv
@@ -32,16 +26,14 @@ from epd.model_runtime.chat_template import error_text, template_variables
 from epd.model_runtime.hf_loading import load_full_model
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.logprobs import PromptLogprobRows, prompt_logprob_rows
-from epd.model_runtime.qwen_text_layers import (
-    QueryCapture,
-    QwenLayerwisePass,
-    count_parameters,
-    dims_of,
-    dynamic_cache_kv,
-    set_dynamic_cache_kv,
+from epd.model_runtime.prompt_positions import text_prompt
+from epd.model_runtime.template_errors import (
+    raise_render_failure,
+    raise_servers_failure,
+    refuse_templates_placeholder,
+    whose_template,
 )
-
-log = logging.getLogger(__name__)
+from epd.model_runtime.visual_placeholders import check_visual_count
 
 
 class HfTextAdapter(VLMAdapter):
@@ -133,7 +125,7 @@ class HfTextAdapter(VLMAdapter):
         get_rope_index: every M-RoPE row is the text position; a 1-D family's rows are too)."""
         text = self._render_text_only(conversation, options)
         input_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]  # [1, L]
-        return _text_prompt(input_ids)
+        return text_prompt(input_ids)
 
     def build_raw_prompt(self, text: str, token_ids: Sequence[int] = ()) -> Prompt:
         """`text` tokenised as `tokenizer(text)` tokenises it (the tokenizer's special tokens added,
@@ -149,7 +141,7 @@ class HfTextAdapter(VLMAdapter):
                 "the prompt holds the model's visual placeholder token, which only the chat "
                 "completions API's media parts place; remove it"
             )
-        return _text_prompt(torch.tensor([ids], dtype=torch.long))
+        return text_prompt(torch.tensor([ids], dtype=torch.long))
 
     def _render_text_only(self, conversation: list[dict[str, Any]], options: RenderOptions) -> str:
         """The chat template of a conversation without media; ValueError as `_render`'s, or, when
@@ -220,21 +212,21 @@ class HfTextAdapter(VLMAdapter):
             raise  # the checkpoint's (or --chat-template's) template is broken: the server's error
         except SecurityError as exc:  # a TemplateError: a template reached past the sandbox
             if not options.requests_template:  # the operator's template: the server's error
-                _raise_servers_failure(options, exc)
+                raise_servers_failure(options, exc)
             raise ValueError(
-                f"{_whose(options)} was stopped by the sandbox it renders in: {error_text(exc)}; a "
+                f"{whose_template(options)} was stopped by the sandbox it renders in: {error_text(exc)}; a "
                 "template reads the messages and its variables, not Python's internals"
             ) from None
         except TemplateError as exc:
             # A subclass is jinja's own failure (UndefinedError: `{{ x.y }}` of an undefined x).
             if type(exc) is not TemplateError:
-                _raise_render_failure(options, exc, bool(variables))
+                raise_render_failure(options, exc, bool(variables))
             # The template's own `raise_exception` (transformers raises a plain TemplateError;
             # Qwen3.5's "No user query found in messages." for a conversation without a user
             # message, which an assistant's message last allows): a shape of conversation the
             # model does not take, as vLLM's 400 says, whoever wrote the template.
             raise ValueError(
-                f"{_whose(options)} cannot render this conversation: {error_text(exc)}; send "
+                f"{whose_template(options)} cannot render this conversation: {error_text(exc)}; send "
                 "its messages in a shape the model takes (for example with a user message before "
                 "the assistant's)"
             ) from None
@@ -243,7 +235,7 @@ class HfTextAdapter(VLMAdapter):
             # conversation (a 400 of up to the text limit): its explanation is enough.
             raise ValueError(str(exc).split("Final message to continue:")[0].splitlines()[0][:400]) from None
         except Exception as exc:
-            _raise_render_failure(options, exc, bool(variables))
+            raise_render_failure(options, exc, bool(variables))
         options.between_steps()  # the template rendered: the request may have gone meanwhile
         return text
 
@@ -551,136 +543,6 @@ class HfTextAdapter(VLMAdapter):
         return self.lm_head(out.last_hidden_state[:, -1])  # [B, vocab]
 
 
-class OneDimTextAdapter(HfTextAdapter):
-    """`HfTextAdapter` for a language model with plain 1-D rotary positions (LLaVA-OneVision's and
-    InternVL's Qwen2 / Qwen3 / Llama). The interface's positions are 4 rows (Qwen's text row + M-RoPE
-    rows); such a family fills all four with the same 1-D position and the model reads row 0:
-    `Prompt.position_ids` is [4, 1, L] of arange(L) in every row (`one_dim_positions`),
-    `PrefillState.next_position_ids` (the 4 ints that cross to decode) is [L, L, L, L], and each
-    decode step's positions (+1 on every row, as the decode core does) are read from row 0. This
-    is what `generate()` uses: positions 0..L-1, then L, L+1, ... No pruning hook that needs
-    attention re-implemented (layerwise prefill, query capture) is written for these families."""
-
-    # `HfTextAdapter.prefill_chunks` over `_prefill_padded` and `_prefill_continue`, on row 0
-    supports_chunked_prefill = True
-
-    def _text_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
-        return position_ids[0]  # [B, n]: every row holds the 1-D position
-
-    @property
-    def text_dims(self) -> TextDims:
-        c = self.hf_config.text_config
-        layers, kv_heads, head_dim, _ = self._kv_shape()
-        return TextDims(layers, c.hidden_size, c.intermediate_size, c.num_attention_heads, kv_heads, head_dim)
-
-    @property
-    def num_parameters(self) -> int:
-        return count_parameters(self.model, self.visual)
-
-
-class QwenTextAdapter(HfTextAdapter):
-    """`HfTextAdapter` with the pruning interface's hooks for Qwen attention layers
-    (`qwen_text_layers`): dims, the layer-by-layer prefill, query capture, the decode cache's
-    per-layer KV, parameter count."""
-
-    @property
-    def text_dims(self) -> TextDims:
-        return dims_of(self.hf_config.text_config)
-
-    def layerwise_prefill(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> LayerwisePass:
-        return QwenLayerwisePass(self._language_model(), inputs_embeds, position_ids)
-
-    @contextmanager
-    def capture_queries(self, layers: Iterable[int], query_index: torch.Tensor) -> Iterator[CapturedQueries]:
-        with QueryCapture(self._language_model().layers, layers, query_index, with_keys=False) as cap:
-            yield CapturedQueries(cap.queries, cap.keys)
-
-    def decode_cache_kv(self, cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return dynamic_cache_kv(cache)
-
-    def set_decode_cache_kv(self, cache, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        set_dynamic_cache_kv(cache, layer, keys, values)
-
-    @property
-    def num_parameters(self) -> int:
-        return count_parameters(self.model, self.visual)
-
-
-def _whose(options: RenderOptions) -> str:
-    """The template an error names: the model's own (no `chat_template`), the server's
-    (--chat-template), or the request's (`RenderOptions.requests_template`)."""
-    if options.chat_template is None:
-        return "the model's chat template"
-    if not options.requests_template:
-        return "the server's chat template (--chat-template)"
-    return "the request's chat template"
-
-
-def _raise_render_failure(options: RenderOptions, exc: Exception, has_variables: bool) -> NoReturn:
-    """A template failed to render of itself (`{{ 1 / 0 }}`, a method of nothing, an undefined
-    name's attribute), not by its `raise_exception`: the request's own template, or a request's
-    variable the template cannot use (`{{ n + 1 }}` with n a string, `{{ tool.function.name }}` of
-    a tool without one), is the client's error (ValueError); the operator's otherwise the server's
-    (`_raise_servers_failure`)."""
-    if not options.requests_template and not (has_variables and isinstance(exc, (TypeError, UndefinedError))):
-        _raise_servers_failure(options, exc)
-    raise ValueError(
-        f"{_whose(options)} failed to render: {type(exc).__name__}: {error_text(exc)}; "
-        "send values (chat_template_kwargs) and a template that render together"
-    ) from None
-
-
-def _raise_servers_failure(options: RenderOptions, exc: Exception) -> NoReturn:
-    """The operator's template failed to render: the model's own, `exc` as it is (INTERNAL to the
-    client, the traceback in the server log; raised again, not `from` itself, which made it its own
-    cause); --chat-template's, saying so in that log."""
-    if options.chat_template is None:
-        # The traceback the client's INTERNAL leaves in the log shows jinja's frames, not whose
-        # template they render: this line says it.
-        log.error("%s failed to render: %s: %s", _whose(options), type(exc).__name__, error_text(exc))
-        raise exc
-    raise RuntimeError(
-        f"{_whose(options)} failed to render: {type(exc).__name__}: {error_text(exc)}"
-    ) from exc
-
-
-def check_media_placeholders(text: str, processor: Any, modality: str, options: RenderOptions) -> None:
-    """Refuse a chat template's rendering `text` unless it holds the request's media part as the
-    one placeholder a family expands (the processor's video or image token) and no other visual
-    placeholder. None: the template leaves the media part out (a given one may): ValueError, the
-    client may send the question without it. More, of either kind: the template writes a
-    placeholder of its own (`refuse_templates_placeholder`), which would otherwise be expanded in
-    the media's place or stay a media token without media (with the other kind's placeholder:
-    Qwen's and GLM-4.1V's would read it as text, a prompt generate() has no answer for)."""
-    pad, other = (
-        (processor.video_token, processor.image_token)
-        if modality == "video"
-        else (processor.image_token, processor.video_token)
-    )
-    num_rendered = text.count(pad)
-    if num_rendered == 0:
-        raise ValueError(
-            f"the chat template rendered 0 {modality} placeholders: it leaves the {modality} part out; "
-            "use a chat template that renders it (the model's own does) or send the question without it"
-        )
-    if num_rendered > 1:
-        refuse_templates_placeholder(options, f"({num_rendered} of {pad} for one {modality})")
-    if other in text:
-        refuse_templates_placeholder(options, f"({other} beside the {modality}'s {pad})")
-
-
-def refuse_templates_placeholder(options: RenderOptions, which: str) -> NoReturn:
-    """The chat template wrote a visual placeholder of its own (`which` says where): neither a
-    client's text (`HfTextAdapter._render`) nor its one media part (`check_messages`) can, so the
-    template is at fault, and its author's is the error, as for a template that fails to render: the
-    request's template, ValueError (INVALID_ARGUMENT); the operator's (--chat-template, or the
-    model's own), RuntimeError (INTERNAL), which names it for the server's log."""
-    message = f"{_whose(options)} writes a visual placeholder of its own {which}; remove it from the template"
-    if options.requests_template:
-        raise ValueError(message)
-    raise RuntimeError(message)
-
-
 def _strings_in(value: Any) -> Iterator[str]:
     """Every string of a JSON value (keys too), depth first."""
     if isinstance(value, str):
@@ -692,85 +554,3 @@ def _strings_in(value: Any) -> Iterator[str]:
     elif isinstance(value, (list, tuple)):
         for item in value:
             yield from _strings_in(item)
-
-
-def _text_prompt(input_ids: torch.Tensor) -> Prompt:
-    """A prompt of text alone, input_ids [1, L]: every position row (M-RoPE's three and the text
-    row; a 1-D family reads them alike) the plain position 0..L-1, no visual token."""
-    length = input_ids.shape[1]
-    return Prompt(input_ids, one_dim_positions(length), torch.zeros(length, dtype=torch.bool))
-
-
-def placeholder_id(hf_config, modality: str) -> int:
-    """The config's token id of `modality`'s placeholder ("video" or "image"), as the model's own
-    embedding and `get_rope_index` read it (Qwen2-VL's and Qwen3-VL's families). Read from the
-    config, not the tokenizer: a tokenizer that lacks the placeholder then gets
-    `checked_visual_mask`'s message, not a comparison with None."""
-    return hf_config.video_token_id if modality == "video" else hf_config.image_token_id
-
-
-def checked_visual_mask(visual_mask: torch.Tensor, num_visual: int, placeholder: str) -> torch.Tensor:
-    """`visual_mask` [L] (the expanded prompt's `placeholder` tokens), unless they are not the
-    grid's `num_visual`. A text part's placeholder and a template's own are refused before
-    (`_render`, `check_media_placeholders`), and the expansion writes `num_visual` of them, so a
-    count that differs is the checkpoint's: its tokenizer splits or merges the placeholder (not
-    one added token), or gives it another id than the one the mask is read by (the processor's or
-    the model config's). Nothing in the request can change that: RuntimeError, INTERNAL to the
-    client, the message (what the operator should check) in the server log with the traceback."""
-    found = int(visual_mask.sum())
-    if found != num_visual:
-        raise RuntimeError(
-            f"the model's tokenizer gave {found} {placeholder} tokens for the {num_visual} that the "
-            f"prompt's media expanded to: check that the checkpoint's tokenizer has {placeholder} as "
-            "one added token (tokenizer.json's added_tokens) with the id its processor and config give it"
-        )
-    return visual_mask
-
-
-def check_visual_count(prompt: Prompt, visual_embeds: torch.Tensor) -> None:
-    """ValueError unless `visual_embeds` [n, hidden] has one row per visual position of `prompt`."""
-    num_visual = int(prompt.visual_mask.sum())
-    if visual_embeds.shape[0] != num_visual:
-        raise ValueError(f"{visual_embeds.shape[0]} visual embeddings for {num_visual} visual positions")
-
-
-def one_dim_positions(length: int) -> torch.Tensor:
-    """[4, 1, length]: the plain positions 0..length-1 in every row."""
-    return torch.arange(length, dtype=torch.long).view(1, 1, length).expand(4, 1, length).clone()
-
-
-def mrope_prompt_positions(
-    model_cls,
-    hf_config,
-    input_ids: torch.Tensor,
-    visual: VisualMeta,
-    mm_token_type_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """[4, 1, L]: the text row and `model_cls.get_rope_index`'s three M-RoPE rows of a prompt with
-    one media item, as generate's `_prepare_position_ids_for_generation` (get_rope_index reads only
-    self.config and self.get_vision_position_ids: no model needed, `RopeHolder`).
-    `mm_token_type_ids` [1, L] (0 text, 1 image, 2 video): by default the media's placeholders,
-    by the config's token id for its modality (GLM-4.1V's tell a video's by its markers)."""
-    mm_type = 2 if visual.modality == "video" else 1
-    if mm_token_type_ids is None:
-        mm_token_type_ids = (input_ids == placeholder_id(hf_config, visual.modality)).long() * mm_type
-    grid = torch.tensor([visual.grid_thw], dtype=torch.long)
-    kwargs = {"video_grid_thw": grid} if mm_type == 2 else {"image_grid_thw": grid}
-    rope_index: Any = model_cls.get_rope_index
-    mrope, _ = rope_index(
-        RopeHolder(hf_config, model_cls), input_ids, mm_token_type_ids=mm_token_type_ids, **kwargs
-    )
-    text_row = torch.arange(input_ids.shape[1], dtype=torch.long)[None, None]
-    return torch.cat([text_row, mrope], dim=0)
-
-
-class RopeHolder:
-    """Stands in for `model_cls` (`Qwen3VLModel`, `Qwen3_5Model`, `Glm4vModel`) in its
-    `get_rope_index`, which reads only these two."""
-
-    def __init__(self, config, model_cls) -> None:
-        self.config = config
-        self._get_vision_position_ids = model_cls.get_vision_position_ids
-
-    def get_vision_position_ids(self, *args, **kwargs):
-        return self._get_vision_position_ids(self, *args, **kwargs)

@@ -46,13 +46,11 @@ from epd.model_runtime.hf_loading import (
     nested_language_key,
     safetensors_files,
 )
-from epd.model_runtime.hf_text import (
-    OneDimTextAdapter,
-    check_media_placeholders,
-    checked_visual_mask,
-    one_dim_positions,
-)
 from epd.model_runtime.llava_onevision import resize_frame_to_size
+from epd.model_runtime.one_dim_text import OneDimTextAdapter
+from epd.model_runtime.prompt_positions import one_dim_positions
+from epd.model_runtime.template_errors import check_media_placeholders
+from epd.model_runtime.visual_placeholders import checked_visual_mask
 from epd.video.types import DecodedVideo, FrameResize
 
 log = logging.getLogger(__name__)

@@ -82,8 +82,8 @@ from epd.model_runtime.hf_loading import (
     load_language_model,
     load_vision_part,
 )
-from epd.model_runtime.hf_text import mrope_prompt_positions
 from epd.model_runtime.kv_cache import KvCache
+from epd.model_runtime.prompt_positions import mrope_prompt_positions
 from epd.model_runtime.qwen3_vl import Qwen3VLProcessorAdapter
 from epd.model_runtime.thread_hooks import owner_thread_only
 

@@ -59,14 +59,11 @@ from epd.model_runtime.hf_loading import (
     load_language_model,
     load_vision_part,
 )
-from epd.model_runtime.hf_text import (
-    HfTextAdapter,
-    QwenTextAdapter,
-    check_media_placeholders,
-    checked_visual_mask,
-    mrope_prompt_positions,
-    placeholder_id,
-)
+from epd.model_runtime.hf_text import HfTextAdapter
+from epd.model_runtime.prompt_positions import mrope_prompt_positions
+from epd.model_runtime.qwen_text import QwenTextAdapter
+from epd.model_runtime.template_errors import check_media_placeholders
+from epd.model_runtime.visual_placeholders import checked_visual_mask, placeholder_id
 from epd.video.types import DecodedVideo, FrameResize, MediaError
 
 log = logging.getLogger(__name__)

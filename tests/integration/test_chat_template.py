@@ -170,7 +170,7 @@ def test_the_models_own_template_failing_is_the_servers_error_named_in_the_log(t
         processor.chat_template = "{{ missing.attr }}"
         for call in (_ask, _tokenize):
             caplog.clear()
-            with caplog.at_level(logging.ERROR, logger="epd.model_runtime.hf_text"):
+            with caplog.at_level(logging.ERROR, logger="epd.model_runtime.template_errors"):
                 with pytest.raises(UndefinedError) as failed:
                     call(pipeline, TEXT_ONLY)
             assert status_of(failed.value)[0] == grpc.StatusCode.INTERNAL

@@ -1,5 +1,5 @@
 """A prompt whose expanded visual placeholders the tokenizer does not keep whole is the server's
-error, not the client's (`hf_text.checked_visual_mask`): the text parts' and the template's own
+error, not the client's (`visual_placeholders.checked_visual_mask`): the text parts' and the template's own
 placeholders are refused before the expansion, so only the checkpoint (its tokenizer without the
 placeholder as one added token) can make the count differ. Prefill answers INTERNAL, the message
 (what the operator should check) for the server log; before, it was INVALID_ARGUMENT, telling the
