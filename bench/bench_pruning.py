@@ -44,6 +44,7 @@ from epd.prefill_svc.config import PrefillConfig  # noqa: E402
 from epd.prefill_svc.engine import PrefillEngine  # noqa: E402
 from epd.prefill_svc.whole_prefill import prefill_alone  # noqa: E402
 from epd.stages.contracts import MediaInput  # noqa: E402
+from epd.stages.messages import question_messages  # noqa: E402
 from epd.token_pruning import PruningConfig  # noqa: E402
 from epd.video.types import SamplingOptions  # noqa: E402
 
@@ -61,6 +62,9 @@ SPEC = TinyVLMSpec(
     weight_std=0.02,
 )
 
+
+QUESTION = question_messages("what colour is the moving square?")
+"""The one question every run asks about its clip (a user message: the clip, then the text)."""
 
 TEMPORAL = PruningConfig(temporal_drop=True, temporal_threshold=0.05)
 
@@ -142,105 +146,110 @@ def main(argv: list[str] | None = None) -> int:
     )
     prefill = PrefillEngine(PrefillConfig(model=model), adapter)
     decoder = DecodeEngine(adapter)
-    data = clip.read_bytes()
-    gen = GenerationConfig(max_new_tokens=args.decode_tokens + 1, ignore_eos=True)
-    print(
-        f"model: Qwen2-VL, {params / 1e6:.1f}M parameters, {args.threads} thread(s); clip 8 s 224x224; "
-        f"medians of {args.repeats}; drop at layers {args.drop_layers}; KV keep {args.kv_keep:g}; "
-        f"KV dtype {args.kv_dtype}"
-    )
-    print(
-        "| frames | visual tokens | retained | encode ms | prefill ms (x faster) | decode ms/token (x) | "
-        "KV bytes (x smaller) |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for num_frames in args.frames:
-        sampling = SamplingOptions(num_frames=num_frames)
-
-        def encode(pruning: PruningConfig, sampling: SamplingOptions = sampling):
-            return encoder.encode(MediaInput(data), sampling, lambda e: None, pruning)
-
-        enc_full = [timed(lambda: encode(PruningConfig())) for _ in range(args.repeats)]
-        media, _ = enc_full[0]
-        encode_ms = statistics.median(t for _, t in enc_full)
-        enc_t = [timed(lambda: encode(TEMPORAL)) for _ in range(args.repeats)]
-        temporal_media, _ = enc_t[0]
-        encode_t_ms = statistics.median(t for _, t in enc_t)
-        kept_t = temporal_media.meta.num_visual_tokens / media.meta.num_visual_tokens
-        base = None
-        for r in args.retain:
-            cfg = (
-                PruningConfig()
-                if r >= 1.0
-                else PruningConfig(
-                    prefill_drop=True,
-                    prefill_drop_layers=tuple(args.drop_layers),
-                    prefill_keep_ratio=r,
-                    kv_compress=args.kv_keep < 1.0,
-                    kv_keep_ratio=args.kv_keep,
-                    kv_dtype=args.kv_dtype,
-                )
-            )
-
-            def run_prefill(cfg: PruningConfig = cfg, media=media):
-                return prefill_alone(prefill, "what colour is the moving square?", media, gen, cfg)
-
-            runs = [timed(run_prefill) for _ in range(args.repeats)]
-            outcome = runs[0][0]
-            prefill_ms = statistics.median(t for _, t in runs)
-            g = decoder.start(outcome.cache, outcome.first_token_id, outcome.next_position_ids, gen)
-            step_ms = []
-            while not g.done:
-                _, ms = timed(g.step)
-                step_ms.append(ms)
-            decode_ms = statistics.median(step_ms)
-            kv = outcome.cache.num_bytes
-            if base is None:
-                base = (prefill_ms, decode_ms, kv)
-            enc = f"{encode_ms:.0f}" if r >= 1.0 else "-"
-            print(
-                f"| {num_frames} | {media.meta.num_visual_tokens} | {r:.0%} | {enc} | {prefill_ms:.0f} "
-                f"({base[0] / prefill_ms:.2f}x) | {decode_ms:.1f} ({base[1] / decode_ms:.2f}x) | "
-                f"{kv:,} ({base[2] / kv:.2f}x) |"
-            )
+    try:  # the encoder's decode threads end with it
+        data = clip.read_bytes()
+        gen = GenerationConfig(max_new_tokens=args.decode_tokens + 1, ignore_eos=True)
         print(
-            f"| {num_frames} | temporal drop before tower | {kept_t:.0%} kept | {encode_t_ms:.0f} "
-            f"({encode_ms / encode_t_ms:.2f}x faster) | | | |"
+            f"model: Qwen2-VL, {params / 1e6:.1f}M parameters, {args.threads} thread(s); clip 8 s 224x224; "
+            f"medians of {args.repeats}; drop at layers {args.drop_layers}; KV keep {args.kv_keep:g}; "
+            f"KV dtype {args.kv_dtype}"
         )
-        for preset in args.presets:
-            # Every stage of the preset: the encoder's drops first, then prefill, KV and decode.
-            cfg = PruningConfig.from_preset(preset)
-            enc_p = [timed(lambda cfg=cfg: encode(cfg)) for _ in range(args.repeats)]
-            pmedia, _ = enc_p[0]
+        print(
+            "| frames | visual tokens | retained | encode ms | prefill ms (x faster) | decode ms/token (x) | "
+            "KV bytes (x smaller) |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for num_frames in args.frames:
+            sampling = SamplingOptions(num_frames=num_frames)
 
-            def run_preset(cfg: PruningConfig = cfg, pmedia=pmedia):
-                return prefill_alone(prefill, "what colour is the moving square?", pmedia, gen, cfg)
+            def encode(pruning: PruningConfig, sampling: SamplingOptions = sampling):
+                return encoder.encode(MediaInput(data), sampling, lambda e: None, pruning)
 
-            runs = [timed(run_preset) for _ in range(args.repeats)]
-            outcome = runs[0][0]
-            prefill_ms = statistics.median(t for _, t in runs)
-            g = decoder.start(
-                outcome.cache,
-                outcome.first_token_id,
-                outcome.next_position_ids,
-                gen,
-                visual_entry_mask=outcome.visual_entry_mask,
-                pruning=cfg,
-            )
-            step_ms = []
-            while not g.done:
-                _, ms = timed(g.step)
-                step_ms.append(ms)
-            # after the last stage
-            kept = outcome.pruning.num_visual_tokens_out / media.meta.num_visual_tokens
-            enc_ms = statistics.median(t for _, t in enc_p)
-            kv = outcome.cache.num_bytes
-            assert base is not None
+            enc_full = [timed(lambda: encode(PruningConfig())) for _ in range(args.repeats)]
+            media, _ = enc_full[0]
+            encode_ms = statistics.median(t for _, t in enc_full)
+            enc_t = [timed(lambda: encode(TEMPORAL)) for _ in range(args.repeats)]
+            temporal_media, _ = enc_t[0]
+            encode_t_ms = statistics.median(t for _, t in enc_t)
+            kept_t = temporal_media.meta.num_visual_tokens / media.meta.num_visual_tokens
+            base = None
+            for r in args.retain:
+                cfg = (
+                    PruningConfig()
+                    if r >= 1.0
+                    else PruningConfig(
+                        prefill_drop=True,
+                        prefill_drop_layers=tuple(args.drop_layers),
+                        prefill_keep_ratio=r,
+                        kv_compress=args.kv_keep < 1.0,
+                        kv_keep_ratio=args.kv_keep,
+                        kv_dtype=args.kv_dtype,
+                    )
+                )
+
+                def run_prefill(cfg: PruningConfig = cfg, media=media):
+                    return prefill_alone(prefill, QUESTION, media, gen, cfg)
+
+                runs = [timed(run_prefill) for _ in range(args.repeats)]
+                outcome = runs[0][0]
+                prefill_ms = statistics.median(t for _, t in runs)
+                g = decoder.start(
+                    outcome.cache, outcome.handle.first_token_id, outcome.handle.next_position_ids, gen
+                )
+                step_ms = []
+                while not g.done:
+                    _, ms = timed(g.step)
+                    step_ms.append(ms)
+                decode_ms = statistics.median(step_ms)
+                kv = outcome.cache.num_bytes
+                if base is None:
+                    base = (prefill_ms, decode_ms, kv)
+                enc = f"{encode_ms:.0f}" if r >= 1.0 else "-"
+                print(
+                    f"| {num_frames} | {media.meta.num_visual_tokens} | {r:.0%} | {enc} | {prefill_ms:.0f} "
+                    f"({base[0] / prefill_ms:.2f}x) | {decode_ms:.1f} ({base[1] / decode_ms:.2f}x) | "
+                    f"{kv:,} ({base[2] / kv:.2f}x) |"
+                )
             print(
-                f"| {num_frames} | preset {preset} | {kept:.1%} | {enc_ms:.0f} | {prefill_ms:.0f} "
-                f"({base[0] / prefill_ms:.2f}x) | {statistics.median(step_ms):.1f} "
-                f"({base[1] / statistics.median(step_ms):.2f}x) | {kv:,} ({base[2] / kv:.2f}x) |"
+                f"| {num_frames} | temporal drop before tower | {kept_t:.0%} kept | {encode_t_ms:.0f} "
+                f"({encode_ms / encode_t_ms:.2f}x faster) | | | |"
             )
+            for preset in args.presets:
+                # Every stage of the preset: the encoder's drops first, then prefill, KV and decode.
+                cfg = PruningConfig.from_preset(preset)
+                enc_p = [timed(lambda cfg=cfg: encode(cfg)) for _ in range(args.repeats)]
+                pmedia, _ = enc_p[0]
+
+                def run_preset(cfg: PruningConfig = cfg, pmedia=pmedia):
+                    return prefill_alone(prefill, QUESTION, pmedia, gen, cfg)
+
+                runs = [timed(run_preset) for _ in range(args.repeats)]
+                outcome = runs[0][0]
+                prefill_ms = statistics.median(t for _, t in runs)
+                g = decoder.start(
+                    outcome.cache,
+                    outcome.handle.first_token_id,
+                    outcome.handle.next_position_ids,
+                    gen,
+                    visual_entry_mask=outcome.handle.visual_entry_mask,
+                    pruning=cfg,
+                )
+                step_ms = []
+                while not g.done:
+                    _, ms = timed(g.step)
+                    step_ms.append(ms)
+                # after the last stage
+                kept = outcome.handle.pruning.num_visual_tokens_out / media.meta.num_visual_tokens
+                enc_ms = statistics.median(t for _, t in enc_p)
+                kv = outcome.cache.num_bytes
+                assert base is not None
+                print(
+                    f"| {num_frames} | preset {preset} | {kept:.1%} | {enc_ms:.0f} | {prefill_ms:.0f} "
+                    f"({base[0] / prefill_ms:.2f}x) | {statistics.median(step_ms):.1f} "
+                    f"({base[1] / statistics.median(step_ms):.2f}x) | {kv:,} ({base[2] / kv:.2f}x) |"
+                )
+    finally:
+        encoder.close()
     return 0
 
 
