@@ -60,26 +60,19 @@ if TYPE_CHECKING:
 _BEFORE_CLOSE_S = 2.0
 """The longest a stage spends after its drain before it closes its threads: decode's receipts to
 prefill (`CONFIRM_WAIT_S`, 2 s)."""
-
 _GATEWAY_AFTER_DRAIN_S = 7.0
 """The longest the stack's gateway spends after its drain: the statuses of the calls it cut
 (`CUT_MARGIN_S`, 2 s), then the KV releases still running (`RELEASES_WAIT_S`, 5 s). Both written
 out, as their modules load torch, which the launcher does not; tests/unit/cli/test_serve.py adds
 the code's bounds up (and tests/unit/deploy gives the manifests as much)."""
-
 _EXIT_MARGIN_S = 5.0
-
 # The gateway first: its requests in flight still need the stages to finish.
 _STOP_ORDER = (("gateway",), ("encoder", "prefill", "decode"))
-
 LAUNCHER_PID_ENV = "EPD_LAUNCHER_PID"  # set for the stack's gateway: the pid it must not outlive
-
 # Supervision (epd/cli/supervisor.py): how often the launcher looks at its children's exits, and
 # asks each for its gRPC health (each check waits this long for an answer).
 _POLL_S = 0.2
-
 _HEALTH_INTERVAL_S = 1.0
-
 _HEALTH_CHECK_TIMEOUT_S = 2.0
 
 

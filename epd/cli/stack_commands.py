@@ -9,9 +9,7 @@ import argparse
 import sys
 
 MODEL_ROLES = ("encoder", "prefill", "decode")
-
 COMMAND_PREFIX_WORDS = 3  # python -m epd.cli.main
-
 _GATEWAY_STAGE_CHECK_S = 1.0
 
 
