@@ -22,6 +22,9 @@ import os
 import sys
 from typing import NoReturn
 
+# `epd serve`'s exit codes (epd/cli/serve.py says what each means; the launcher passes a service's on).
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_MODEL = 0, 1, 2, 3
+
 
 def exit_now(code: int) -> NoReturn:
     """Flush the logs, stdout and stderr, then `os._exit(code)`."""

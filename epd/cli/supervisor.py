@@ -1,7 +1,7 @@
 """When `epd serve` restarts a replica of its loopback stack, and when it gives up on one.
 
 Bookkeeping only: no processes, no gRPC, no clock of its own (every call is given `now`), so it
-is unit-tested with a fake clock; `epd/cli/serve.py` does the processes and the health checks.
+is unit-tested with a fake clock; `epd/cli/launcher.py` does the processes and the health checks.
 
 A replica's life, as a process manager (systemd, Kubernetes) would run it:
 

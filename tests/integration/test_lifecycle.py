@@ -24,7 +24,8 @@ import psutil
 import pytest
 
 from epd.cli.leftovers import remove_dead_stacks
-from epd.cli.serve import EXIT_MODEL, STACK_DIR_PREFIX
+from epd.cli.process_exit import EXIT_MODEL
+from epd.cli.stack_security import STACK_DIR_PREFIX
 from epd.model_runtime.threads import BOARD_PREFIX, OPENMP_WAIT_SETTINGS, board_directory, stack_board_name
 from epd.stages.contracts import MediaInput
 from epd.transport.remote_encode import RemoteEncodeStage

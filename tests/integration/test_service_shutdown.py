@@ -69,7 +69,7 @@ def test_prefill_with_a_compile_still_running_names_it_and_exits_within_its_clos
     (`os._exit`, which does not wait for the thread). Before, the close did not know the compile
     threads: it neither waited for nor named them. The exit is awaited with the launcher's bound
     for a service's stop (a hang guard, not a timing assertion)."""
-    from epd.cli.serve import stop_wait_s
+    from epd.cli.launcher import stop_wait_s
     from epd.model_runtime.sampling import StructuredOutputs
     from epd.transport.convert import structured_to_proto
     from epd.v1 import prefill_pb2, prefill_pb2_grpc

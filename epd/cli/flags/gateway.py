@@ -159,5 +159,5 @@ GATEWAY_FLAGS: tuple[Callable[..., None], ...] = (
     functools.partial(add_http_api_flags, listen=False),
 )
 """The gateway role's flags `epd serve` takes too: one definition each, passed to the stack's
-gateway (`epd/cli/serve.py` `gateway_flags`) or built into the colocated front door's config
+gateway (`epd/cli/stack_commands.py` `gateway_flags`) or built into the colocated front door's config
 (`epd/cli/configs.py` `colocated_gateway_config`; routing excepted, its stages being local)."""

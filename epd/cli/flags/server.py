@@ -99,7 +99,7 @@ def add_security_flags(p: argparse.ArgumentParser) -> None:
 
 def add_secret_check_flag(g) -> argparse.Action:
     """Every service's (`add_security_flags`), and `epd serve`'s, which passes it to the stack's
-    services (`epd.cli.serve.stack_security_flags`; --colocate has no internal secret)."""
+    services (`epd.cli.stack_security.stack_security_flags`; --colocate has no internal secret)."""
     from epd.stages.server_config import SECRET_CHECK_INTERVAL_S
 
     return g.add_argument(

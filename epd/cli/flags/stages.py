@@ -207,8 +207,8 @@ STAGE_FLAGS: dict[str, tuple[Callable[..., None], ...]] = {
     "decode": (add_decode_scheduler_flags,),
 }
 """Each stage role's own flags, which `epd serve` takes too and passes to every replica of the
-role (`epd/cli/serve.py` `stage_flags`) or builds the colocated stage with (`epd/cli/configs.py`):
+role (`epd/cli/stack_commands.py` `stage_flags`) or builds the colocated stage with (`epd/cli/configs.py`):
 one definition per flag, so the role and the stack cannot drift apart."""
 SHARED_STAGE_FLAGS: tuple[Callable[..., None], ...] = (add_scheduling_policy_flag,)
 """Flags every stage role takes, defined once on `epd serve` and passed to each role's replicas
-(`epd/cli/serve.py` `stage_flags`) or the colocated stages."""
+(`epd/cli/stack_commands.py` `stage_flags`) or the colocated stages."""

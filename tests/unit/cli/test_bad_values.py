@@ -16,7 +16,8 @@ from epd.cli import configs
 from epd.cli.ask import run_ask
 from epd.cli.health import check_health
 from epd.cli.parsers.root import build_parser
-from epd.cli.serve import EXIT_USAGE, serve_role
+from epd.cli.process_exit import EXIT_USAGE
+from epd.cli.serve import serve_role
 from epd.stages.server_config import TransportSecurity
 from epd.transport import security
 from epd.video.types import SamplingOptions

@@ -154,7 +154,7 @@ def test_the_flags_declared_stack_only_are_those_the_colocated_path_never_reads(
 
 
 def test_the_flags_declared_colocated_only_are_those_the_stack_never_passes():
-    from epd.cli.serve import stack_commands
+    from epd.cli.stack_commands import stack_commands
 
     parser = build_parser()
     serve = command_parser(parser, "serve")

@@ -53,7 +53,7 @@ def test_epd_ask_tls_flags_are_checked_before_anything_loads(tmp_path, capsys, e
 
 
 def test_epd_serve_tls_flags_that_do_not_go_together_are_named():
-    from epd.cli.serve import stack_transport
+    from epd.cli.stack_security import stack_transport
 
     parser = build_parser()
     for argv, expected in [

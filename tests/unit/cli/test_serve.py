@@ -18,16 +18,15 @@ import pytest
 from epd.cli import configs
 from epd.cli.flags.gateway import GATEWAY_FLAGS
 from epd.cli.flags.stages import STAGE_FLAGS
+from epd.cli.launcher import serve_stack
 from epd.cli.parsers.root import build_parser
-from epd.cli.serve import (
-    EXIT_MODEL,
-    EXIT_USAGE,
+from epd.cli.process_exit import EXIT_MODEL, EXIT_USAGE
+from epd.cli.stack_commands import (
     check_max_model_len,
     flag_words,
     gateway_flags,
     port_clash,
     replica_ports,
-    serve_stack,
     stack_commands,
     stage_flag_problem,
     stage_flags,
@@ -132,7 +131,7 @@ def test_close_timeout_reaches_every_service_and_the_colocated_stages():
     service's config, and the colocated front door's, whose embedded pipeline closes with it
     (`serve._colocated`); the launcher's kill wait grows with it (`stop_wait_s`). The default is
     the model thread's own (30 s)."""
-    from epd.cli.serve import stop_wait_s
+    from epd.cli.launcher import stop_wait_s
     from epd.stages.model_thread import CLOSE_WAIT_S
 
     args = build_parser().parse_args(["serve", "--close-timeout-s", "4.5"])
@@ -325,7 +324,7 @@ def test_replicas_get_their_own_ports_and_the_gateway_lists_them_all():
 def test_ports_that_clash_are_a_usage_error_before_anything_starts(argv, problem, capsys):
     args = build_parser().parse_args(["serve", *argv])
     assert problem in (port_clash(args) or "")
-    from epd.cli.serve import serve_stack
+    from epd.cli.launcher import serve_stack
 
     assert serve_stack(args) == EXIT_USAGE
     assert problem in capsys.readouterr().err
@@ -357,11 +356,11 @@ def test_the_launcher_waits_for_what_a_service_closes_after_its_drain(close_time
     SIGTERM: that must cover every service's stop, added up from the code's bounds
     (`_BEFORE_CLOSE_S` and `_GATEWAY_AFTER_DRAIN_S` are written out: the bounds' modules load
     torch; 5 s in all, before, cut a stage's 30 s close deadline short)."""
-    from epd.cli import serve
+    from epd.cli import launcher
     from tests.unit.deploy.epd_commands import stop_bound_s
 
     for role in ("gateway", "encoder", "prefill", "decode"):
-        assert serve.stop_wait_s(30.0, close_timeout_s) >= stop_bound_s(role, 30.0, close_timeout_s), role
+        assert launcher.stop_wait_s(30.0, close_timeout_s) >= stop_bound_s(role, 30.0, close_timeout_s), role
 
 
 def test_a_negative_grace_period_is_a_usage_error(capsys):
@@ -377,11 +376,12 @@ def test_the_launcher_imports_no_torch():
 import sys
 from epd.cli import serve
 from epd.cli.parsers.root import build_parser
+from epd.cli.stack_commands import stack_commands
 from epd.model_runtime.loader import check_model_dir, resolve_model_path
 args = build_parser().parse_args(["serve"])
 args.model = resolve_model_path(args.model)
 check_model_dir(args.model)
-serve.stack_commands(args)
+stack_commands(args)
 print(args.model, sorted(m for m in ("torch", "transformers") if m in sys.modules))
 """
     env = {k: v for k, v in child_env().items() if k not in ("EPD_MODEL", "EPD_DEFAULT_MODEL")}
@@ -450,7 +450,7 @@ def health_servers():
 def launcher_signals():
     import signal
 
-    from epd.cli.serve import _Signals
+    from epd.cli.launcher import _Signals
 
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     signals = _Signals()
@@ -466,7 +466,7 @@ def launcher_signals():
 def _slots(serve, names: list[str], policy):
     import time
 
-    from epd.cli.serve import _Slot
+    from epd.cli.launcher import _Slot
     from epd.cli.supervisor import Replica
 
     return [
@@ -478,7 +478,8 @@ def _slots(serve, names: list[str], policy):
 def test_crash_looping_replicas_are_given_up_and_the_stack_stops_with_its_last_one(
     health_servers, launcher_signals, capsys
 ):
-    from epd.cli.serve import EXIT_FAILED, _supervise
+    from epd.cli.launcher import _supervise
+    from epd.cli.process_exit import EXIT_FAILED
     from epd.cli.supervisor import RestartPolicy, State
 
     policy = RestartPolicy(backoff_initial_s=0.01, backoff_max_s=0.01, crash_loop_exits=2)
@@ -511,7 +512,7 @@ def test_crash_looping_replicas_are_given_up_and_the_stack_stops_with_its_last_o
 def test_a_replica_that_cannot_load_its_model_stops_the_stack_without_a_restart(
     health_servers, launcher_signals, code
 ):
-    from epd.cli.serve import _supervise
+    from epd.cli.launcher import _supervise
     from epd.cli.supervisor import RestartPolicy
 
     policy = RestartPolicy(backoff_initial_s=0.01)
@@ -1028,17 +1029,17 @@ def test_the_stacks_gateway_takes_only_the_keys_the_launcher_was_given(monkeypat
     it also took the old key from $EPD_API_KEY."""
     import os
 
-    from epd.cli import serve
+    from epd.cli import stack_security
 
     monkeypatch.setenv("EPD_API_KEY", "old-key-in-the-shell")
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     args = build_parser().parse_args(["serve", "--api-key", "new-key"])
     assert configs.api_keys(args) == ("new-key",)
-    files = serve._StackFiles()
+    files = stack_security.StackFiles()
     try:
-        argv = stack_commands(args)["gateway"] + serve.stack_security_flags(args, files)["gateway"]
+        argv = stack_commands(args)["gateway"] + stack_security.stack_security_flags(args, files)["gateway"]
         # The gateway parses its command line in the environment the launcher starts it with.
-        monkeypatch.setattr(os, "environ", serve.services_environment(os.environ))
+        monkeypatch.setattr(os, "environ", stack_security.services_environment(os.environ))
         gateway = build_parser().parse_args(argv[argv.index("--log-level") :])
         assert configs.api_keys(gateway) == ("new-key",)
     finally:
@@ -1052,7 +1053,7 @@ def test_the_secret_check_interval_reaches_every_service_and_a_bad_one_is_refuse
     constant of 5 s before (the rotation test waited on it). Each role's, and `epd serve`'s for
     every service of the stack (with the file it makes), down to the object that follows the file;
     refused by the parser (exit 2, naming the flag) and by the typed config below or at 0."""
-    from epd.cli import serve
+    from epd.cli import stack_security
     from epd.stages.server_config import SECRET_CHECK_INTERVAL_S, TransportSecurity
     from epd.transport.internal_secrets import internal_secrets
 
@@ -1082,9 +1083,9 @@ def test_the_secret_check_interval_reaches_every_service_and_a_bad_one_is_refuse
     for argv, expected in ((["serve", "--secret-check-interval-s", "0.25"], 0.25), (["serve"], 5.0)):
         args = build_parser().parse_args(argv)
         args.model = "/m"
-        files = serve._StackFiles()
+        files = stack_security.StackFiles()
         try:
-            flags = serve.stack_security_flags(args, files)
+            flags = stack_security.stack_security_flags(args, files)
             for name, command in stack_commands(args).items():
                 role = name.split("[")[0]
                 argv = [*command, *flags["gateway" if role == "gateway" else "stage"]]

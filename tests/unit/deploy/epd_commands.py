@@ -9,8 +9,8 @@ from pathlib import Path
 from unittest.mock import patch
 
 from epd.cli import configs
+from epd.cli.launcher import _EXIT_MARGIN_S
 from epd.cli.parsers.root import build_parser
-from epd.cli.serve import _EXIT_MARGIN_S
 from epd.decode_svc.kv_pull import KvPuller
 from epd.decode_svc.stage import CONFIRM_WAIT_S
 from epd.gateway.kv_release import RELEASES_WAIT_S

@@ -201,7 +201,7 @@ def test_a_demo_decodes_log_lines_carry_the_request_id(tmp_path):
 def test_the_gateway_flags_set_the_demo_and_the_stack_passes_the_encoders_limits():
     from epd.cli import configs
     from epd.cli.parsers.root import build_parser
-    from epd.cli.serve import stack_commands
+    from epd.cli.stack_commands import stack_commands
 
     args = build_parser().parse_args(
         [

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from epd.cli.parsers.root import build_parser
-from epd.cli.serve import stage_flags
+from epd.cli.stack_commands import stage_flags
 from epd.gateway.chat_request import parse_chat_request
 from epd.model_runtime.chat_template import check_syntax, template_variables
 from epd.model_runtime.sampling import GenerationConfig
@@ -137,7 +137,7 @@ def test_the_variables_are_found_with_transformers_own_tags():
 def test_the_stack_refuses_a_bad_template_before_any_service_starts():
     """`epd serve` checks the flags its prefills get (`stage_flag_problem`): one line, not every
     replica importing torch and then exiting."""
-    from epd.cli.serve import stage_flag_problem
+    from epd.cli.stack_commands import stage_flag_problem
 
     bad = build_parser().parse_args(["serve", "--chat-template", "{% for m in messages %}"])
     assert (stage_flag_problem(bad) or "").startswith(
