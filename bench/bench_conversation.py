@@ -53,6 +53,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -305,7 +306,7 @@ def wait_ready(proc: subprocess.Popen, port: int, timeout_s: float, log_path: Pa
 # report
 
 
-def p50(values: list[float]) -> float:
+def p50(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 

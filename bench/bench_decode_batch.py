@@ -173,7 +173,7 @@ def memory(adapter, budget_requests: int, in_flight: int, max_new: int) -> None:
             thread,
             DecodeConfig(kv_budget_bytes=budget, max_waiting_requests=n),
         )
-        handles = []
+        handles: list[PrefillHandle[torch.Tensor]] = []
         for i in range(n):
             cache, pos, token = caches[i % len(caches)]
             handles.append(

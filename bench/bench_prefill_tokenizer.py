@@ -208,7 +208,9 @@ def prefill_once(root: Path, model: Path, num_rpcs: int, timeout_s: float) -> di
         address = f"127.0.0.1:{port}"
         while not is_serving(address, timeout_s=1.0):
             if proc.poll() is not None or time.perf_counter() - t0 > timeout_s:
-                raise SystemExit(f"prefill at {root} did not start: {proc.stderr.read()[-2000:]!r}")
+                proc.kill()  # reading stderr of one still running would wait for it to exit
+                _, stderr = proc.communicate()
+                raise SystemExit(f"prefill at {root} did not start: {stderr[-2000:]!r}")
             time.sleep(0.05)
         out = {"startup_s": time.perf_counter() - t0}
         time.sleep(IDLE_WAIT_S)
@@ -315,7 +317,8 @@ def threads_part(model: Path, args) -> None:
     print(f"  the model thread alone: {statistics.median(model_alone):.2f} ms per {len(long_text[: args.prompt_chars])}"
           f"-character prompt ({len(expected_long)} tokens, {len(model_alone)} prompts)")  # fmt: skip
     designs = ("alone", "shared", "lock", "copy")
-    rows = {design: ([], []) for design in designs}  # /tokenize ms, model thread ms per prompt
+    # /tokenize ms, model thread ms per prompt
+    rows: dict[str, tuple[list[float], list[float]]] = {design: ([], []) for design in designs}
     for round_calls in [args.num_calls // args.rounds] * args.rounds:  # designs alternate: load drifts alike
         for design in designs:
             latencies, model_ms = rows[design]
@@ -345,8 +348,8 @@ def threads_part(model: Path, args) -> None:
     print("|---|---|---|---|---|")
     for design, (latencies, model_ms) in rows.items():
         p50, p99 = statistics.median(latencies), sorted(latencies)[int(0.99 * (len(latencies) - 1))]
-        model = f"{statistics.median(model_ms):.2f}" if model_ms else "-"
-        print(f"| {design} | {p50:.3f} | {p99:.3f} | {p50 / base:.2f}x | {model} |")
+        model_cell = f"{statistics.median(model_ms):.2f}" if model_ms else "-"
+        print(f"| {design} | {p50:.3f} | {p99:.3f} | {p50 / base:.2f}x | {model_cell} |")
 
 
 class _nothing:

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from epd.gateway.json_answer import json_bytes  # noqa: E402
 from epd.gateway.logprobs_protocol import prompt_logprobs_json  # noqa: E402
 from epd.model_runtime.logprobs import MAX_PROMPT_LOGPROB_ENTRIES, TokenLogprob, TopLogprob  # noqa: E402
-from epd.stages.contracts import PrefillHandle  # noqa: E402
+from epd.stages.contracts import PrefillHandle, TensorLike  # noqa: E402
 from epd.transport import convert  # noqa: E402
 from epd.v1 import gateway_pb2, prefill_pb2  # noqa: E402
 
@@ -67,7 +67,7 @@ def at_the_bound(k: int, token_chars: int) -> tuple[PrefillHandle, list[bytes]]:
     """Prefill's handle with the most prompt logprobs at this k, and its answer's messages as
     serialized on the wire (`prefill_responses`)."""
     num_tokens = MAX_PROMPT_LOGPROB_ENTRIES // (k + 1)
-    handle = PrefillHandle(
+    handle: PrefillHandle[TensorLike] = PrefillHandle(
         first_token_id=1, num_prompt_tokens=num_tokens, num_cached_tokens=num_tokens,
         next_position_ids=[num_tokens] * 4, kv_num_bytes=0, prefill_ms=0.0, kv_handle="ab" * 16,
         prompt_logprobs=made_up(num_tokens, k, token_chars),

@@ -30,6 +30,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for mypy; the functions import it when they run (--help stays quick)
+    from epd.prefill_svc.stage import LocalPrefillStage
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -58,7 +62,7 @@ def _slow_template(num_loops: int) -> str:
     )
 
 
-def _stage(model_dir: Path):
+def _stage(model_dir: Path) -> LocalPrefillStage:
     from epd.model_runtime.config import ModelConfig
     from epd.model_runtime.loader import load_adapter
     from epd.prefill_svc.config import PrefillConfig
@@ -72,7 +76,7 @@ def _stage(model_dir: Path):
     return LocalPrefillStage(engine, KvStore(1 << 30, 600.0), ModelThread())
 
 
-def _render_call(stage, messages, template: str | None = None):
+def _render_call(stage: LocalPrefillStage, messages, template: str | None = None):
     from epd.model_runtime.sampling import GenerationConfig
     from epd.stages.messages import ChatTemplateOptions
 
@@ -85,36 +89,38 @@ def _render_call(stage, messages, template: str | None = None):
     )
 
 
-async def _hop(stage, num_renders: int, num_turns: int) -> tuple[float, float, int]:
+async def _hop(stage: LocalPrefillStage, num_renders: int, num_turns: int) -> tuple[float, float, int]:
     from epd.stages.messages import from_chat_template
 
     messages = from_chat_template(_conversation(num_turns))
     render = _render_call(stage, messages)
     here_s, there_s = [], []
     num_tokens = render().num_prompt_tokens
-    await stage._render(render, "warm", None, False)
+    await stage._render(render, "warm", False)
     for i in range(num_renders):
         started = time.perf_counter()
         render()
         here_s.append(time.perf_counter() - started)
         started = time.perf_counter()
-        await stage._render(render, f"r{i}", None, False)
+        await stage._render(render, f"r{i}", False)
         there_s.append(time.perf_counter() - started)
     return statistics.median(here_s), statistics.median(there_s), num_tokens
 
 
-async def _slow_alone(stage, slow_loop: int) -> float:
+async def _slow_alone(stage: LocalPrefillStage, slow_loop: int) -> float:
     """Seconds of one slow render with nothing else running (its template compiled before)."""
     from epd.stages.messages import from_chat_template
 
     render = _render_call(stage, from_chat_template(_conversation(2)), _slow_template(slow_loop))
-    await stage._render(render, "warm", None, True)
+    await stage._render(render, "warm", True)
     started = time.perf_counter()
-    await stage._render(render, "alone", None, True)
+    await stage._render(render, "alone", True)
     return time.perf_counter() - started
 
 
-async def _behind_slow(stage, num_slow: int, slow_loop: int, shared: bool) -> tuple[list[float], float]:
+async def _behind_slow(
+    stage: LocalPrefillStage, num_slow: int, slow_loop: int, shared: bool
+) -> tuple[list[float], float]:
     """Renders with the server's template while `num_slow` slow request templates render: each one's
     seconds, and the seconds until the slow ones all ended."""
     from epd.stages.messages import from_chat_template
@@ -125,12 +131,12 @@ async def _behind_slow(stage, num_slow: int, slow_loop: int, shared: bool) -> tu
     slow_render = _render_call(stage, messages, _slow_template(slow_loop))
     fast_render = _render_call(stage, messages)
     started = time.perf_counter()
-    slow = [asyncio.ensure_future(stage._render(slow_render, f"s{i}", None, True)) for i in range(num_slow)]
+    slow = [asyncio.ensure_future(stage._render(slow_render, f"s{i}", True)) for i in range(num_slow)]
     await asyncio.sleep(0)  # each slow one submitted to a thread
     fast_s = []
     while not all(s.done() for s in slow):
         began = time.perf_counter()
-        await stage._render(fast_render, "f", None, False)
+        await stage._render(fast_render, "f", False)
         fast_s.append(time.perf_counter() - began)
     await asyncio.gather(*slow)
     return fast_s, time.perf_counter() - started

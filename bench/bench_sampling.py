@@ -42,8 +42,9 @@ from epd.model_runtime.structured_output import grammar_compiler  # noqa: E402
 from epd.model_runtime.tiny_model import build_checkpoint  # noqa: E402
 
 QWEN_VOCAB = 151_936
-PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5,
-                 logit_bias=((11, 5.0), (220, -5.0)), min_tokens=4)  # fmt: skip
+PENALTIES = GenerationConfig(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5,
+                             logit_bias=((11, 5.0), (220, -5.0)), min_tokens=4)  # fmt: skip
+"""Every penalty at once, greedy; the cases below `replace` onto it."""
 UNENDING = StructuredOutputs(grammar="root ::= [a-z ] root")
 """A constraint with no end: letters and spaces, never the end-of-sequence token."""
 
@@ -66,12 +67,12 @@ SAMPLER_CASES = [
     ("greedy + presence + frequency", GenerationConfig(presence_penalty=0.5, frequency_penalty=0.5)),
     ("greedy + logit_bias (2 ids)", GenerationConfig(logit_bias=((11, 5.0), (220, -5.0)))),
     ("greedy + min_tokens (before it)", GenerationConfig(min_tokens=1000, max_new_tokens=1000)),
-    ("greedy + all of them", GenerationConfig(**PENALTIES)),
+    ("greedy + all of them", PENALTIES),
     ("greedy + allowed_token_ids (1,000)", GenerationConfig(allowed_token_ids=tuple(range(5000, 6000)))),
     ("greedy + bad_words (8 words)", GenerationConfig(bad_words=("w",) * 8)),
     ("sampled t=1 (default)", GenerationConfig(temperature=1.0, seed=0)),
     ("sampled t=1 + min_p 0.05", GenerationConfig(temperature=1.0, seed=0, min_p=0.05)),
-    ("sampled t=1 + all + min_p", GenerationConfig(temperature=1.0, seed=0, min_p=0.05, **PENALTIES)),
+    ("sampled t=1 + all + min_p", replace(PENALTIES, temperature=1.0, seed=0, min_p=0.05)),
 ]
 
 
@@ -91,7 +92,7 @@ def bench_sampler(repeats: int) -> None:
     prompt = torch.randint(0, QWEN_VOCAB, (300,), generator=generator).tolist()
     output = torch.randint(0, QWEN_VOCAB, (64,), generator=generator).tolist()
     print(f"1. sampler alone, vocab {QWEN_VOCAB:,}, 300 prompt + 64 output tokens, median of {repeats} calls")
-    baseline = {}
+    baseline: dict[str, float] = {}
     for name, config in SAMPLER_CASES:
         sampler = Sampler(
             config, 1, prompt, eos_token_ids={2}, bad_words_token_ids=BAD_WORDS if config.bad_words else ()
@@ -121,7 +122,8 @@ def bench_decode_step(work_dir: Path, threads: int, batch: int, steps: int, roun
     if constrained := structured_outputs_installed():
         # Letters and spaces without end (no end-of-sequence): every step is mid-answer.
         grammar = grammar_compiler(adapter).compile_now(UNENDING)
-        first_token = adapter.tokenizer.encode("a")[0]  # the prefill's token, one the grammar allows
+        # The prefill's token, one the grammar allows.
+        first_token = adapter.tokenize("a", add_special_tokens=False)[0]
         caches = [(cache, positions, first_token) for cache, positions, _ in caches]
 
     def step_ms(config: GenerationConfig) -> tuple[float, float]:
@@ -149,7 +151,7 @@ def bench_decode_step(work_dir: Path, threads: int, batch: int, steps: int, roun
         return whole, statistics.median(per_request) * 1e3
 
     plain = GenerationConfig(max_new_tokens=1000, ignore_eos=True)
-    penalised = replace(plain, **PENALTIES)
+    penalised = replace(PENALTIES, max_new_tokens=1000, ignore_eos=True)
     with_logprobs = replace(plain, logprobs=MAX_LOGPROBS)
     results: dict[str, list[tuple[float, float]]] = {"default": [], "all penalties": [], "logprobs 20": []}
     order = [("default", plain), ("all penalties", penalised), ("logprobs 20", with_logprobs)]

@@ -160,12 +160,14 @@ def torchcodec_env(work: Path, clip: Path) -> dict[str, str]:
 
     if works({}):
         return {}
+    libs: Path | None = None  # PyAV's wheel's bundled FFmpeg, when PyAV is installed
     try:
         import av
     except ImportError:
-        av = None
-    if av is not None:
+        pass
+    else:
         libs = Path(av.__file__).resolve().parent.parent / "av.libs"
+    if libs is not None:
         shim = work / "ffmpeg-shim"
         shim.mkdir(parents=True, exist_ok=True)
         for lib in sorted(libs.glob("lib*.so*")):
@@ -401,7 +403,7 @@ def run_server(name: str, model: Path, clips: list[Path], args) -> dict:
     cmd, env, base_url = server_command(name, model, args)
     target = OpenAITarget(base_url, dialect=dialect, media_as="data" if name.startswith("epd") else "path")
 
-    def bodies_of(level_clips: list[Path], num_requests: int) -> list[dict]:
+    def bodies_of(level_clips: list[Path], num_requests: int) -> list[bytes]:
         return openai_bodies(
             target,
             [str(c) for c in level_clips],

@@ -312,7 +312,7 @@ def pruning(work: Path, files, device: str) -> None:
     extra = {stage: ["--device", device] for stage in ("encoder", "prefill", "decode")}
     with Stack(model_dir, work / "logs-pruning", extra=extra) as stack, EpdClient(stack.gateway) as client:
         for case in cases:
-            result = client.ask(
+            answer = client.ask(
                 files[case[0]],
                 QUESTION,
                 num_frames=case[1],
@@ -320,7 +320,7 @@ def pruning(work: Path, files, device: str) -> None:
                 pruning=PRUNING_PRESET,
                 pruning_knobs=PRUNING_KNOBS,
             )
-            row("stack (3 processes)", case, result.pruning.stages, result.token_ids, cpu[case].token_ids)
+            row("stack (3 processes)", case, answer.pruning.stages, answer.token_ids, cpu[case].token_ids)
 
 
 def summary(results: list[tuple[float, int]], wall_s: float) -> tuple[float, float, int]:

@@ -46,6 +46,7 @@ def _decode_share_in_process(
         out = np.ndarray(out_shape, np.uint8, buffer=out_shm.buf)  # [T, H, W, 3]
         decoded = 0
         budget = DecodeBudget(DecodeLimits())  # this share's frames only (one per process)
+        assert data_shm.buf is not None  # typeshed: None only once closed
         with open_video(bytes(data_shm.buf[:data_size])) as container:
             stream = container.streams.video[0]
             stream.codec_context.thread_count = 1
@@ -120,6 +121,7 @@ class ProcessShareDecoder:
         data_shm = shared_memory.SharedMemory(create=True, size=len(data))
         out_shm = shared_memory.SharedMemory(create=True, size=int(np.prod(shape)))
         try:
+            assert data_shm.buf is not None  # typeshed: None only once closed
             data_shm.buf[: len(data)] = data
             futures = []
             for share in plan.shares:
