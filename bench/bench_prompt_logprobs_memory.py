@@ -185,7 +185,7 @@ def main() -> None:
             f"{name:45s} holds {held / mib:7.1f} MiB ({held / num_entries:5.0f} B an entry), "
             f"peak {peak / mib:7.1f} MiB, {seconds:6.2f} s"
             # what the others free of earlier steps' makes their resident memory's change meaningless
-            + (f"; resident +{resident / mib:.1f} MiB" if step in (receive, sdk_join) else "")
+            + (f"; resident {resident / mib:+.1f} MiB" if step in (receive, sdk_join) else "")
         )
 
 

@@ -213,8 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     by = {r["routing"]: r for r in results}
     if set(ROUTINGS) <= set(by):
         a, rr = by["affinity"], by["round-robin"]
-        hit_ratio = a["hits"] / rr["hits"] if rr["hits"] else float("inf")
-        print(f"affinity / round-robin: hits {hit_ratio:.2f}x, req/s {a['req_per_s'] / rr['req_per_s']:.2f}x "
+        # round robin may hit nothing at all: its ratio then has no number to print
+        hits = f"{a['hits'] / rr['hits']:.2f}x" if rr["hits"] else f"{a['hits']} against none"
+        print(f"affinity / round-robin: hits {hits}, req/s {a['req_per_s'] / rr['req_per_s']:.2f}x "
               f"(target: >= 1.8x hits, > 1x req/s)")  # fmt: skip
     if args.output_json:
         Path(args.output_json).write_text(json.dumps({"args": vars(args) | {"work_dir": str(args.work_dir)},

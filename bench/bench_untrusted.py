@@ -71,7 +71,10 @@ def packet_flood(num_packets: int, limit_s: float, repeats: int) -> str:
             build_video_index(data, bounded)
         except MediaLimitError:
             return
-        raise AssertionError("the flood was not refused")
+        raise SystemExit(
+            f"the flood of {num_packets:,} packets was demuxed within {limit_s:g} s, so "
+            "nothing was refused: raise --flood-packets or lower --flood-limit-s"
+        )
 
     refused_s = median_s(refused, repeats)
     return (
