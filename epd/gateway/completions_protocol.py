@@ -7,12 +7,12 @@ request: `"prompt": "text"`, `["text"]`, `[1, 2, 3]` or `[[1, 2, 3]]`; a batch o
 refused (400), as epd answers one prompt per call. The generation options, streaming,
 `stream_options` and the server-side defaults are chat completions' (`epd.gateway.chat_request`);
 `echo` (a token-id prompt's text is prefill's Detokenize of its ids, as vLLM's renderer decodes
-them; with `max_tokens` 0 the prompt alone, vLLM's echo without generation), `logprobs` (`epd.gateway.logprobs_protocol`; with `echo`, the prompt's
-tokens' logprobs come first, as vLLM's; streamed, in the echoed prompt's chunk, before the answer's
-tokens stream with theirs) and vLLM's `prompt_logprobs` are taken,
-`suffix` is refused. The answer is a
-`text_completion` (streamed: `text_completion` chunks ending in `data: [DONE]`), each choice with
-vLLM's `stop_reason` and `token_ids`, and the same `usage` and `epd` objects as chat's.
+them; with `max_tokens` 0 the prompt alone, vLLM's echo without generation), `logprobs`
+(`epd.gateway.logprobs_protocol`; with `echo`, the prompt's tokens' logprobs come first, as
+vLLM's; streamed, in the echoed prompt's chunk, before the answer's tokens stream with theirs) and
+vLLM's `prompt_logprobs` are taken, `suffix` is refused. The answer is a `text_completion`
+(streamed: `text_completion` chunks ending in `data: [DONE]`), each choice with vLLM's
+`stop_reason` and `token_ids`, and the same `usage` and `epd` objects as chat's.
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def parse_completion_request(
     echo = boolean_field(body, "echo", False)
     # vLLM's echo without generation: max_tokens 0 answers the prompt alone; one token is generated
     # (the stages' least), as vLLM's, and its text left out (`ChatRequest.echo_only`).
-    max_tokens = body.get("max_tokens")
-    echo_only = echo and max_tokens == 0 and not isinstance(max_tokens, bool)
+    # max_tokens as vLLM reads it (0.0, "0" and false are 0 too), checked with the others below
+    echo_only = echo and lax_int(body.get("max_tokens")) == 0
     if echo_only:
         body = {**body, "max_tokens": 1}
     logprobs = completion_logprobs_option(body)
