@@ -306,7 +306,10 @@ class PeakPss:
 
 def server_command(name: str, model: Path, args) -> tuple[list[str], dict[str, str], str]:
     """(command, environment, base URL) of one server on free loopback ports."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # The repository first, then the caller's own PYTHONPATH: packages installed with `pip install
+    # --target` (transformers[serving] and torchcodec beside a shared venv) reach both servers.
+    paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     if name.startswith("epd"):
         ports = {k: free_port() for k in ("gateway", "encoder", "prefill", "decode", "http")}
         stage_ports = (

@@ -10,7 +10,7 @@ requests/s (docs/benchmarks.md, "Memory allocator"). PyTorch's CPU performance g
 CPU backend recommend the same library, by LD_PRELOAD.
 
 An allocator is chosen when a process starts (it must be the malloc every shared library binds
-to), so `epd serve` started without it runs itself again at once (`os.execve`: same pid, same
+to), so `epd serve` started without it runs itself again at once (`epd.cli.preload`: same pid, same
 command line) with the library first in LD_PRELOAD; the stack's services inherit the variable
 from its launcher. Only the command line's own `main()` does this (`argv` None): a test or the
 zygote calling `main(argv)` in its process is never replaced.
@@ -30,14 +30,11 @@ from __future__ import annotations
 
 import ctypes.util
 import glob
-import logging
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
 
-log = logging.getLogger(__name__)
+from epd.cli.preload_plan import PreloadPlan, mapped_libraries, preload_entries
 
 ALLOCATORS = ("auto", "tcmalloc", "system")
 # The minimal build first: the full one adds a heap profiler and checker that serving never uses.
@@ -47,49 +44,35 @@ _INSTALL_HINT = "install libtcmalloc-minimal4 (Debian/Ubuntu) or gperftools (con
 _OTHER_ALLOCATORS = ("libjemalloc", "libmimalloc")
 
 
-@dataclass(frozen=True)
-class AllocatorPlan:
-    """What `epd serve` does about its allocator before anything else (`plan_allocator`)."""
-
-    exec_env: dict[str, str] | None = None
-    """Run the process again with this environment (None: go on as it is)."""
-    error: str | None = None
-    """Exit 2 with this line (--allocator tcmalloc that cannot be had)."""
-    note: str | None = None
-    """Say this once at INFO and go on."""
-
-
-def plan_allocator(
-    choice: str, environ: Mapping[str, str], mapped: str, library: str | None
-) -> AllocatorPlan:
+def plan_allocator(choice: str, environ: Mapping[str, str], mapped: str, library: str | None) -> PreloadPlan:
     """What to do for `--allocator choice`, given the process's environment, the text of its
     memory map (/proc/self/maps: which libraries are loaded) and the tcmalloc library found (None:
     none). Pure, so every case is unit-tested without starting a process."""
     if choice == "system" or "libtcmalloc" in mapped:
-        return AllocatorPlan()
+        return PreloadPlan()
     if choice == "auto" and (other := next((lib for lib in _OTHER_ALLOCATORS if lib in mapped), None)):
-        return AllocatorPlan(note=f"memory allocator: {other}, as the process was started (LD_PRELOAD)")
+        return PreloadPlan(note=f"memory allocator: {other}, as the process was started (LD_PRELOAD)")
     if library is None:
         if choice == "tcmalloc":
-            return AllocatorPlan(
+            return PreloadPlan(
                 error=f"--allocator tcmalloc: no tcmalloc library found; {_INSTALL_HINT}, "
                 "or pass --allocator system"
             )
-        return AllocatorPlan(
+        return PreloadPlan(
             note=f"memory allocator: glibc malloc (tcmalloc not found; {_INSTALL_HINT} for a "
             "lower peak memory under load, docs/architecture.md)"
         )
-    preload = [entry for entry in environ.get("LD_PRELOAD", "").replace(" ", ":").split(":") if entry]
+    preload = preload_entries(environ)
     if library in preload:
         # Started again with it and still not loaded (the dynamic loader said why on stderr): never
         # a second exec, which would loop.
         problem = f"{library} is in LD_PRELOAD but was not loaded"
         if choice == "tcmalloc":
-            return AllocatorPlan(
+            return PreloadPlan(
                 error=f"--allocator tcmalloc: {problem}; check the library, or pass --allocator system"
             )
-        return AllocatorPlan(note=f"memory allocator: glibc malloc ({problem})")
-    return AllocatorPlan(exec_env={**environ, "LD_PRELOAD": ":".join([library, *preload])})
+        return PreloadPlan(note=f"memory allocator: glibc malloc ({problem})")
+    return PreloadPlan(exec_env={**environ, "LD_PRELOAD": ":".join([library, *preload])})
 
 
 def find_tcmalloc() -> str | None:
@@ -106,33 +89,5 @@ def find_tcmalloc() -> str | None:
     return None
 
 
-def mapped_libraries(pid: int | str = "self") -> str:
-    """The text of a process's memory map (empty where /proc has none)."""
-    try:
-        return Path(f"/proc/{pid}/maps").read_text()
-    except OSError:
-        return ""
-
-
 def uses_tcmalloc(pid: int | str = "self") -> bool:
     return "libtcmalloc" in mapped_libraries(pid)
-
-
-def ensure_allocator(choice: str) -> str | None:
-    """At the start of `epd serve` run from the command line: may not return (the process runs
-    again with the allocator). Returns the error line for exit 2, or None to go on. A no-op off
-    Linux (no /proc, no LD_PRELOAD)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    plan = plan_allocator(
-        choice, os.environ, mapped_libraries(), None if choice == "system" else find_tcmalloc()
-    )
-    if plan.note:
-        log.info("%s", plan.note)
-    if plan.exec_env is not None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # sys.orig_argv: the interpreter's own command line, options included (`python -m
-        # epd.cli.main ...` or the `epd` script's), so the process is the same one again.
-        os.execve(sys.executable, sys.orig_argv, plan.exec_env)
-    return plan.error

@@ -62,9 +62,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return check_health(args.address, args.service, args.timeout)
     if argv is None and (allocator := getattr(args, "allocator", None)) is not None:
-        from epd.cli.allocator import ensure_allocator
+        from epd.cli.preload import ensure_preloads
 
-        if (error := ensure_allocator(allocator)) is not None:  # may run this command again, with tcmalloc
+        # May run this command again, with tcmalloc and/or MKL's library preloaded.
+        if (error := ensure_preloads(allocator, args.mkl_dispatch)) is not None:
             print(f"epd serve: {error}", file=sys.stderr)
             return 2
     from epd.cli.serve import run_serve

@@ -199,6 +199,11 @@ def load_adapter(config: ModelConfig, stage: str) -> VLMAdapter:
         raise ModelLoadError(path, f"{type(exc).__name__}: {_first_line(exc)}") from exc
     if config.linear_kernel == "onednn":
         _use_onednn(adapter, path)
+    if config.device == "cpu":
+        from epd.model_runtime.mkl_kernels import mkl_kernels_note
+
+        if note := mkl_kernels_note():
+            log.info("%s", note)
     return adapter
 
 

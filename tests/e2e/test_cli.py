@@ -11,11 +11,13 @@ import json
 import re
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from epd.cli.allocator import find_tcmalloc, uses_tcmalloc
 from epd.cli.health import is_serving
+from epd.cli.mkl_dispatch import find_compiler
 from tests.reference import decode_for_test, reference_tokens, reference_tokens_for_messages
 from tests.stack import ROOT, child_env, epd_command, free_port, run_epd_forked, serving_pid
 
@@ -291,12 +293,21 @@ def test_ask_against_epd_serve(tiny_models, media_files, expected, embedded_json
     assert not any(is_serving(f"127.0.0.1:{p}", timeout_s=0.5) for p in ports)
 
 
+def wait_until_serving(serve: subprocess.Popen, grpc_port: int, timeout_s: float = 180) -> None:
+    """Until `epd serve --colocate` answers health checks on its gRPC port (it has no ready line)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not is_serving(f"127.0.0.1:{grpc_port}", timeout_s=1.0):
+        assert serve.poll() is None and time.monotonic() < deadline, "epd serve --colocate did not start"
+        time.sleep(0.2)
+
+
 def test_serve_colocate_is_one_process_with_the_same_apis_and_answers(tiny_models, media_files, expected):
     """`epd serve --colocate`: the front door and the three stages in one process, on the stack's
     ports; answers equal generate()'s; /metrics shows the three in-process cores, with the KV
     memory flags' budgets, and /v1/models lists --served-model-name. With --allocator system it stays on glibc's malloc (the default's
     tcmalloc is tested with the stack above)."""
-    import time
     import urllib.request
 
     import psutil
@@ -311,10 +322,7 @@ def test_serve_colocate_is_one_process_with_the_same_apis_and_answers(tiny_model
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=ROOT,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 180
-        while not is_serving(f"127.0.0.1:{grpc_port}", timeout_s=1.0):
-            assert serve.poll() is None and time.monotonic() < deadline, "epd serve --colocate did not start"
-            time.sleep(0.2)
+        wait_until_serving(serve, grpc_port)
         assert psutil.Process(serve.pid).children(recursive=True) == [], "one process, no services"
         assert not uses_tcmalloc(serve.pid)
         proc = run_epd("ask", str(media_files["mp4"]), QUESTION, "--endpoint", f"127.0.0.1:{grpc_port}",
@@ -341,6 +349,43 @@ def test_serve_colocate_is_one_process_with_the_same_apis_and_answers(tiny_model
         code = serve.wait(timeout=60)
     assert code == 0
     assert not is_serving(f"127.0.0.1:{grpc_port}", timeout_s=0.5)
+
+
+@pytest.mark.skipif(find_compiler() is None, reason="no C compiler (cc, gcc or $CC) to build its library")
+def test_serve_with_mkl_dispatch_features_preloads_mkls_library(tiny_models, media_files, expected, tmp_path):
+    """`epd serve --colocate --mkl-dispatch features` builds its one-function library into the
+    user's cache, runs itself again with it preloaded (beside tcmalloc where installed), says so
+    at start-up, and answers. On this model and clip the answer equals generate()'s without the
+    library (its kernels round differently, which only a near tie would show)."""
+    from epd.cli.mkl_dispatch import shim_path
+
+    grpc_port, http_port = free_port(), free_port()
+    env = {**child_env(), "EPD_CACHE_DIR": str(tmp_path)}
+    env.pop("LD_PRELOAD", None)
+    serve = subprocess.Popen(
+        epd_command("--log-level", "INFO", "serve", "--colocate", "--mkl-dispatch", "features", "--model",
+                    str(tiny_models["qwen2_vl"]), "--gateway-port", str(grpc_port), "--http-port", str(http_port)),
+        stdout=subprocess.DEVNULL, stderr=(log := (tmp_path / "serve.log").open("w")), env=env, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        wait_until_serving(serve, grpc_port)
+        library = shim_path(tmp_path)
+        assert library.is_file()
+        maps = (Path("/proc") / str(serve.pid) / "maps").read_text()
+        assert str(library) in maps
+        assert ("libtcmalloc" in maps) == (find_tcmalloc() is not None)
+        proc = run_epd("ask", str(media_files["mp4"]), QUESTION, "--endpoint", f"127.0.0.1:{grpc_port}",
+                       "--num-frames", "8", "--max-new-tokens", "12", "--json")  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["token_ids"] == expected
+    finally:
+        serve.send_signal(signal.SIGINT)
+        code = serve.wait(timeout=60)
+        log.close()
+    err = (tmp_path / "serve.log").read_text()
+    assert code == 0, err
+    # The start-up note: MKL's kernels by instruction set, never its generic ones with a hint.
+    assert "MKL kernels: " in err and "(generic: MKL's choice" not in err, err
 
 
 def test_ask_with_pruning_preset_reports_savings(tiny_models, media_files, embedded_json):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from epd.cli.flags.arg_types import addresses, count, env, kv_sources, port_number, positive_seconds, seconds
 from epd.cli.flags.gateway import GATEWAY_FLAGS, add_admission_flags, add_http_api_flags, add_routing_flags
 from epd.cli.flags.media import add_decode_limit_flags, add_max_upload_bytes_flag, add_sampling_flags
-from epd.cli.flags.model import COMPILING_ROLES, add_allocator_flag, add_model_flags
+from epd.cli.flags.model import COMPILING_ROLES, add_model_flags, add_preload_flags
 from epd.cli.flags.modes import COLOCATED, STACK, serves_only
 from epd.cli.flags.server import add_grace_flag, add_server_flags, add_stack_security_flags
 from epd.cli.flags.stages import SHARED_STAGE_FLAGS, STAGE_FLAGS
@@ -56,7 +56,7 @@ def _add_stage_roles(roles) -> None:
         r = roles.add_parser(role, help=f"run the {role} service")
         add_server_flags(r, port)
         add_model_flags(r, compiles=role in COMPILING_ROLES)
-        add_allocator_flag(r)
+        add_preload_flags(r)
         for add_flags in (*STAGE_FLAGS[role], *SHARED_STAGE_FLAGS):
             add_flags(r)
         if role == "prefill":
@@ -98,7 +98,9 @@ def _add_gateway_role(roles) -> None:
     from epd.prefill_svc.config import DEFAULT_PORT as PREFILL_PORT
 
     gw = roles.add_parser("gateway", help="run the front door")
-    gw.set_defaults(allocator=None)  # no model, no torch: not the `serve` parser's --allocator default
+    gw.set_defaults(
+        allocator=None, mkl_dispatch=None
+    )  # no model, no torch: not the `serve` parser's preloads
     add_server_flags(gw, GATEWAY_PORT)
     gw.add_argument(
         "--encoder",
@@ -281,4 +283,4 @@ def _add_stack_flags(serve) -> None:
     for add_flags in SHARED_STAGE_FLAGS:
         add_flags(g)
     add_model_flags(serve)
-    add_allocator_flag(serve)  # the launcher's choice; the stack's services inherit it (LD_PRELOAD)
+    add_preload_flags(serve)  # the launcher's choice; the stack's services inherit it (LD_PRELOAD)

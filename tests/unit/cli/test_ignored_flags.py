@@ -146,7 +146,15 @@ def test_the_flags_declared_stack_only_are_those_the_colocated_path_never_reads(
     configs.colocated_stages(reads)
     configs.transport_security(reads)  # `serve._secure_transport`: the process's calls to stages (none)
     read = reads._read - {"tls_ca", "secret_check_interval_s"}  # read into the transport no call uses
-    read |= {"command", "role", "colocate", "log_level", "log_format", "allocator"}  # `main`, `run_serve`
+    read |= {
+        "command",
+        "role",
+        "colocate",
+        "log_level",
+        "log_format",
+        "allocator",
+        "mkl_dispatch",
+    }  # `main`, `run_serve`
     serve = command_parser(parser, "serve")
     flags = {a.dest for a in serve._actions if a.option_strings and a.dest != "help"}
     assert flags - read == declared_flags(serve, STACK)
