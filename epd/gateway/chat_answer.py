@@ -12,7 +12,7 @@ from typing import Any
 
 from epd.gateway.ask_types import AskSummary, ChoiceSummary
 from epd.gateway.logprobs_protocol import chat_logprobs, prompt_logprobs_json
-from epd.gateway.reasoning import MarkerIds, PartedAnswers, message_fields, part_answers
+from epd.gateway.reasoning import MarkerIdsReader, PartedAnswers, message_fields, part_answers
 from epd.gateway.summary_fields import epd_details, usage
 from epd.gateway.tool_parsers.answer import answer_tool_calls, tool_finish_reason
 from epd.gateway.tool_request import ToolChoice
@@ -38,7 +38,7 @@ def completion_body(
     include_reasoning: bool = True,
     tool_choice: ToolChoice = ToolChoice(),
     steps: Iterable[TokenStep] | None = None,
-    marker_ids: MarkerIds | None = None,
+    read_marker_ids: MarkerIdsReader | None = None,
     return_token_ids: bool = False,
 ) -> dict[str, Any]:
     """A chat answer's body; `role`: `ChatRequest.response_role`; `echoed`: `ChatRequest.echoed_text`,
@@ -46,7 +46,7 @@ def completion_body(
     (with `--reasoning-parser`: `epd.gateway.reasoning.thinking_on`; None without one) parts each
     choice's text, from the answer's token `steps` (needed then), into the message's reasoning and
     content, counting the reasoning's tokens in the same pass (`part_answers`, as the Responses
-    answer parts and counts its steps; by token id with the served model's `marker_ids`);
+    answer parts and counts its steps; by token id with the served model's ids, `read_marker_ids`);
     `tool_choice` (`ChatRequest.tool_choice`) takes the content's tool calls into the message's
     `tool_calls` (`epd.gateway.tool_parsers`); `return_token_ids` (`ChatRequest`'s) lists each
     choice's token ids; neither they nor the logprobs with the reasoning left out (`hides_token_metadata`)."""
@@ -54,7 +54,7 @@ def completion_body(
     if thinking is not None:
         if steps is None:
             raise ValueError("a reasoning parser parts the answer from its token steps: pass them")
-        parted = part_answers(((s.index, s.text, s.token_ids) for s in steps), thinking, marker_ids)
+        parted = part_answers(((s.index, s.text, s.token_ids) for s in steps), thinking, read_marker_ids)
     choices = []
     hidden = hides_token_metadata(thinking, include_reasoning)
     for choice in summary.all_choices():

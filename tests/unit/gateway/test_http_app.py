@@ -679,6 +679,29 @@ def test_streamed_choices_part_their_own_tool_calls_with_their_own_finish_reason
     assert finishes == [["tool_calls"], ["length"]]
 
 
+def _post_each(config: GatewayConfig, pipeline, posts: list[tuple[str, dict, ModelInfo | None]]) -> list[str]:
+    """POST each (path, body, model info) in turn to one in-process API over `pipeline` (which
+    has an `info`: the model info it reports, set to the post's before it); the answers' texts."""
+
+    async def run() -> list[str]:
+        api = HttpApi(config, pipeline, GatewayMetrics())
+        runner = web.AppRunner(api.app())
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        try:
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}") as session:
+                texts = []
+                for path, body, info in posts:
+                    pipeline.info = info
+                    async with session.post(path, json=body) as resp:
+                        texts.append((await resp.read()).decode())
+                return texts
+        finally:
+            await runner.cleanup()
+
+    return asyncio.run(run())
+
+
 class _LateModelInfoPipeline(_TwoChoicesPipeline):
     """`_TwoChoicesPipeline` whose model info (with the think markers' ids: `</think>` is the
     token of choice 0's third step) is known only once `info` is set."""
@@ -701,26 +724,9 @@ def test_without_the_think_markers_ids_reasoning_is_counted_by_its_text_logged_o
 
     config = GatewayConfig(http=HttpApiConfig(port=0, reasoning_parser="qwen3"))
     body = {"messages": [{"role": "user", "content": "q"}], "n": 2}
-    pipeline = _LateModelInfoPipeline()
-
-    async def run() -> list[dict]:
-        api = HttpApi(config, pipeline, GatewayMetrics())
-        runner = web.AppRunner(api.app())
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        try:
-            async with aiohttp.ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}") as session:
-                replies = []
-                for info in (None, None, _THINKING_INFO):
-                    pipeline.info = info
-                    async with session.post("/v1/chat/completions", json=body) as resp:
-                        replies.append(json.loads(await resp.read()))
-                return replies
-        finally:
-            await runner.cleanup()
-
+    posts = [("/v1/chat/completions", body, info) for info in (None, None, _THINKING_INFO)]
     with caplog.at_level(logging.WARNING, logger="epd.gateway.http_api"):
-        replies = asyncio.run(run())
+        replies = [json.loads(text) for text in _post_each(config, _LateModelInfoPipeline(), posts)]
     # by text: choice 0's "hm</thi" (1 token), then "nk><tool" (1 token, taken for the marker's);
     # choice 1's "ok</think>It is" (1 token, taken for the marker's). By id: choice 0's token 5
     # before `</think>`'s 7; choice 1's 6 and 9 (its "</think>" is text inside token 6, no marker token)
@@ -742,3 +748,59 @@ _THINKING_INFO = ModelInfo(
     reasoning_marker_ids=(99, 7),
 )
 """A thinking model's info whose `</think>` is token 7."""
+
+
+class _ModelInfoAtFirstTokenPipeline(Pipeline):
+    """One thinking answer whose model info (the think markers' ids, `_THINKING_INFO`) the gateway
+    learns after the request came, before its first token, as prefill's model info comes in the
+    background. Its second step carries `</think>` (token 7) with the content's first token, so by
+    id one token is reasoning, by where the text falls two (the step's two tokens, one taken for
+    the marker's, and the first step's)."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None, None)  # type: ignore[arg-type]  # no stage: ask is the fake's
+        self.info: ModelInfo | None = None
+
+    def model_info(self) -> ModelInfo | None:  # type: ignore[override]
+        return self.info
+
+    async def ask(self, req):  # type: ignore[override]
+        from epd.stages.contracts import StageEvent, TokenStep
+        from epd.stages.names import Stage
+
+        yield StageEvent(Stage.PREFILL, "finished", 1.0, {"num_prompt_tokens": "30"})
+        self.info = _THINKING_INFO  # known now: after the stream began, before its first token
+        yield TokenStep([5], "a")
+        yield TokenStep([7, 8], "</think>b", finish_reason="stop")
+        summary = _summary([5, 7, 8], "a</think>b", 30)
+        summary.finish_reason = "stop"
+        yield summary
+
+
+def test_a_stream_whose_model_info_comes_before_its_first_token_counts_its_reasoning_by_id(caplog):
+    """The think markers' ids were read when the stream began: a stream that began before the
+    gateway had prefill's model info was counted by where the text falls to its end, though the
+    ids were known by its first token. They are read at the first token now, chat's stream and the
+    Responses stream alike (one `ReasoningStream`), so only an answer whose ids are still unknown
+    then falls back, and nothing is logged here."""
+    import json
+
+    config = GatewayConfig(http=HttpApiConfig(port=0, reasoning_parser="qwen3"))
+    chat_body = {
+        "messages": [{"role": "user", "content": "q"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    responses_body = {"input": "q", "stream": True}
+
+    # each request comes before the model info, which comes before its first token
+    posts = [("/v1/chat/completions", chat_body, None), ("/v1/responses", responses_body, None)]
+    with caplog.at_level(logging.WARNING, logger="epd.gateway.http_api"):
+        chat_text, responses_text = _post_each(config, _ModelInfoAtFirstTokenPipeline(), posts)
+    chat = [json.loads(line[6:]) for line in chat_text.splitlines() if line.startswith("data: {")]
+    assert chat[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 1}
+    assert "".join(c["delta"].get("reasoning") or "" for ch in chat for c in ch["choices"]) == "a"
+    events = [json.loads(line[6:]) for line in responses_text.splitlines() if line.startswith("data: {")]
+    completed = [e for e in events if e["type"] == "response.completed"]
+    assert completed[0]["response"]["usage"]["output_tokens_details"]["reasoning_tokens"] == 1
+    assert "counting reasoning tokens by where" not in caplog.text
