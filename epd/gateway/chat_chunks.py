@@ -11,7 +11,7 @@ choice's finish reason on the chunk of its final step (after its parsers' held-b
 as it finishes while others go on, the last one's with the summary, which it carries as `epd`
 details; with stream_options include_usage a last chunk of no choices with the usage. Chunks list
 their tokens' ids (`token_ids`) only with vLLM's `return_token_ids`; neither ids nor logprobs with
-the reasoning left out (`include_reasoning` false under a reasoning parser), as vLLM's. Every chunk carries `usage`:
+`include_reasoning` false under a parser (reasoning, or auto tool alone), as vLLM's. Every chunk carries `usage`:
 null with include_usage, the usage so far with continuous_usage_stats too.
 """
 
@@ -213,7 +213,7 @@ class ChatChunks:
     @property
     def metadata_hidden(self) -> bool:
         """Whether the chunks leave out their tokens' logprobs and ids (`hides_token_metadata`)."""
-        return hides_token_metadata(self.thinking, self.chat.include_reasoning)
+        return hides_token_metadata(self.chat.parser_on, self.chat.include_reasoning)
 
     @property
     def token_ids_shown(self) -> bool:

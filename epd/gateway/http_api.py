@@ -496,6 +496,7 @@ class HttpApi:
             self.pipeline.generation_defaults(self.config.generation),
         )
         if chat.raw_prompt is None:  # legacy completions are not parted: they go on working
+            chat.parser_on = self.config.http.parser_on
             self._check_reasoning_parser()
             check_auto_tool_choice(chat.tool_choice, self.config.http.enable_auto_tool_choice)
             if self.config.http.tool_call_parser:  # how "auto" reads the answer's calls
@@ -586,6 +587,7 @@ class HttpApi:
             echoed=chat.echoed_text,
             thinking=thinking,
             include_reasoning=chat.include_reasoning,
+            parser_on=chat.parser_on,
             tool_choice=chat.tool_choice,
             steps=steps,
             read_marker_ids=self._read_marker_ids,

@@ -804,3 +804,58 @@ def test_a_stream_whose_model_info_comes_before_its_first_token_counts_its_reaso
     completed = [e for e in events if e["type"] == "response.completed"]
     assert completed[0]["response"]["usage"]["output_tokens_details"]["reasoning_tokens"] == 1
     assert "counting reasoning tokens by where" not in caplog.text
+
+
+class _LogprobsPipeline(Pipeline):
+    """Two tokens with their logprobs (the request asked), one step each, then the summary."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None, None)  # type: ignore[arg-type]  # no stage: ask is the fake's
+
+    async def ask(self, req):  # type: ignore[override]
+        from epd.gateway.ask_types import ChoiceSummary
+        from epd.model_runtime.logprobs import TokenLogprob
+        from epd.stages.contracts import TokenStep
+
+        lps = [TokenLogprob(5, "a", -0.5), TokenLogprob(6, "b", -0.25)]
+        yield TokenStep([5], "a", logprobs=lps[:1])
+        yield TokenStep([6], "b", "stop", logprobs=lps[1:])
+        summary = _summary([5, 6], "ab", 30)
+        summary.finish_reason = "stop"
+        summary.choices = [ChoiceSummary(0, "ab", [5, 6], "stop", None, lps)]
+        yield summary
+
+
+def test_include_reasoning_false_hides_the_tokens_logprobs_and_ids_under_either_of_vllms_parsers():
+    """vLLM hides every generated token's logprobs and `token_ids` when `include_reasoning` is false
+    and its chat serving has a parser (`hide_stream_metadata` / `suppress_metadata`: `parser is not
+    None`), which `ParserManager.get_parser` makes for `--reasoning-parser` or for
+    `--enable-auto-tool-choice` with `--tool-call-parser`, a tool parser alone too; not for a
+    `--tool-call-parser` without `--enable-auto-tool-choice` (no parser), nor with no flag. epd hid
+    them only under a reasoning parser. Whole and streamed alike."""
+    import json
+
+    body = {"messages": [{"role": "user", "content": "q"}], "include_reasoning": False}
+    body |= {"logprobs": True, "return_token_ids": True}
+    configs = {
+        "no parser": (HttpApiConfig(port=0), False),
+        "a tool parser without auto": (HttpApiConfig(port=0, tool_call_parser="hermes"), False),
+        "a tool parser": (
+            HttpApiConfig(port=0, enable_auto_tool_choice=True, tool_call_parser="hermes"),
+            True,
+        ),
+        "a reasoning parser": (HttpApiConfig(port=0, reasoning_parser="qwen3"), True),
+    }
+    for name, (http, hidden) in configs.items():
+        config = GatewayConfig(http=http)
+        choice = json.loads(_post_chat(_LogprobsPipeline(), body, config))["choices"][0]
+        whole = (choice["logprobs"], choice.get("token_ids"))
+        assert (whole == (None, None)) == hidden, (name, whole)
+        text = _post_chat(_LogprobsPipeline(), {**body, "stream": True}, config)
+        chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        choices = [c for chunk in chunks for c in chunk["choices"]]
+        streamed = [(c["logprobs"], c.get("token_ids")) for c in choices]
+        shown = [s for s in streamed if s != (None, None)]
+        assert (shown == []) == hidden, (name, streamed)
+        if not hidden:
+            assert [ids for _, ids in shown] == [[5], [6]], (name, streamed)
