@@ -777,32 +777,40 @@ class _ModelInfoAtFirstTokenPipeline(Pipeline):
         yield summary
 
 
-def test_a_stream_whose_model_info_comes_before_its_first_token_counts_its_reasoning_by_id(caplog):
-    """The think markers' ids were read when the stream began: a stream that began before the
+def test_an_answer_whose_model_info_comes_before_its_first_token_counts_its_reasoning_by_id(caplog):
+    """The think markers' ids were read when a stream began: a stream that began before the
     gateway had prefill's model info was counted by where the text falls to its end, though the
-    ids were known by its first token. They are read at the first token now, chat's stream and the
-    Responses stream alike (one `ReasoningStream`), so only an answer whose ids are still unknown
-    then falls back, and nothing is logged here."""
+    ids were known by its first token. They are read at the first token now, by the one
+    `ReasoningStream` every answer goes through: chat's and the Responses API's, streamed and
+    whole, count alike, so only an answer whose ids are still unknown then falls back (and
+    nothing is logged here)."""
     import json
 
     config = GatewayConfig(http=HttpApiConfig(port=0, reasoning_parser="qwen3"))
-    chat_body = {
-        "messages": [{"role": "user", "content": "q"}],
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    responses_body = {"input": "q", "stream": True}
-
+    chat_body = {"messages": [{"role": "user", "content": "q"}]}
+    usage = {"stream_options": {"include_usage": True}}
     # each request comes before the model info, which comes before its first token
-    posts = [("/v1/chat/completions", chat_body, None), ("/v1/responses", responses_body, None)]
+    posts = [
+        ("/v1/chat/completions", {**chat_body, "stream": True, **usage}, None),
+        ("/v1/responses", {"input": "q", "stream": True}, None),
+        ("/v1/chat/completions", chat_body, None),
+        ("/v1/responses", {"input": "q"}, None),
+    ]
     with caplog.at_level(logging.WARNING, logger="epd.gateway.http_api"):
-        chat_text, responses_text = _post_each(config, _ModelInfoAtFirstTokenPipeline(), posts)
+        chat_text, responses_text, chat_whole, responses_whole = _post_each(
+            config, _ModelInfoAtFirstTokenPipeline(), posts
+        )
     chat = [json.loads(line[6:]) for line in chat_text.splitlines() if line.startswith("data: {")]
-    assert chat[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 1}
     assert "".join(c["delta"].get("reasoning") or "" for ch in chat for c in ch["choices"]) == "a"
     events = [json.loads(line[6:]) for line in responses_text.splitlines() if line.startswith("data: {")]
-    completed = [e for e in events if e["type"] == "response.completed"]
-    assert completed[0]["response"]["usage"]["output_tokens_details"]["reasoning_tokens"] == 1
+    (completed,) = [e["response"] for e in events if e["type"] == "response.completed"]
+    counts = [
+        chat[-1]["usage"]["completion_tokens_details"]["reasoning_tokens"],
+        completed["usage"]["output_tokens_details"]["reasoning_tokens"],
+        json.loads(chat_whole)["usage"]["completion_tokens_details"]["reasoning_tokens"],
+        json.loads(responses_whole)["usage"]["output_tokens_details"]["reasoning_tokens"],
+    ]
+    assert counts == [1, 1, 1, 1]  # by id: by the text, each 2
     assert "counting reasoning tokens by where" not in caplog.text
 
 
