@@ -12,20 +12,21 @@ from typing import Any
 
 from epd.gateway.ask_types import AskSummary, ChoiceSummary
 from epd.gateway.logprobs_protocol import chat_logprobs, prompt_logprobs_json
-from epd.gateway.reasoning import MarkerIds, PartedAnswers, message_fields, part_answers
+from epd.gateway.reasoning import MarkerIdsReader, PartedAnswers, message_fields, part_answers
 from epd.gateway.summary_fields import epd_details, usage
 from epd.gateway.tool_parsers.answer import answer_tool_calls, tool_finish_reason
 from epd.gateway.tool_request import ToolChoice
 from epd.stages.contracts import TokenStep
 
 
-def hides_token_metadata(thinking: bool | None, include_reasoning: bool) -> bool:
-    """Whether a chat answer (whole or streamed) leaves out its tokens' logprobs and ids: when the
-    reasoning is left out (`include_reasoning` false under a reasoning parser: `thinking` not
-    None), as vLLM does (its chat serving code's `hide_stream_metadata` / `suppress_metadata`):
-    a logprob entry's token text and the token ids would show the reasoning. Every token's goes,
-    the content's too, as vLLM's (it does not part them)."""
-    return thinking is not None and not include_reasoning
+def hides_token_metadata(parser_on: bool, include_reasoning: bool) -> bool:
+    """Whether a chat answer (whole or streamed) leaves out its tokens' logprobs and ids: when
+    `include_reasoning` is false and a parser reads the answer (`ChatRequest.parser_on`: a
+    reasoning parser, or an auto tool parser alone), exactly as vLLM's chat serving code decides it
+    (`hide_stream_metadata` / `suppress_metadata`: `not request.include_reasoning and parser is not
+    None`): a logprob entry's token text and the token ids would show the reasoning. Every token's
+    goes, the content's too, as vLLM's (it does not part them)."""
+    return parser_on and not include_reasoning
 
 
 def completion_body(
@@ -36,9 +37,10 @@ def completion_body(
     echoed: str = "",
     thinking: bool | None = None,
     include_reasoning: bool = True,
+    parser_on: bool = False,
     tool_choice: ToolChoice = ToolChoice(),
     steps: Iterable[TokenStep] | None = None,
-    marker_ids: MarkerIds | None = None,
+    read_marker_ids: MarkerIdsReader | None = None,
     return_token_ids: bool = False,
 ) -> dict[str, Any]:
     """A chat answer's body; `role`: `ChatRequest.response_role`; `echoed`: `ChatRequest.echoed_text`,
@@ -46,17 +48,18 @@ def completion_body(
     (with `--reasoning-parser`: `epd.gateway.reasoning.thinking_on`; None without one) parts each
     choice's text, from the answer's token `steps` (needed then), into the message's reasoning and
     content, counting the reasoning's tokens in the same pass (`part_answers`, as the Responses
-    answer parts and counts its steps; by token id with the served model's `marker_ids`);
+    answer parts and counts its steps; by token id with the served model's ids, `read_marker_ids`);
     `tool_choice` (`ChatRequest.tool_choice`) takes the content's tool calls into the message's
     `tool_calls` (`epd.gateway.tool_parsers`); `return_token_ids` (`ChatRequest`'s) lists each
-    choice's token ids; neither they nor the logprobs with the reasoning left out (`hides_token_metadata`)."""
+    choice's token ids; neither they nor the logprobs with the reasoning left out under a parser
+    (`parser_on`, `ChatRequest`'s: `hides_token_metadata`)."""
     parted = None
     if thinking is not None:
         if steps is None:
             raise ValueError("a reasoning parser parts the answer from its token steps: pass them")
-        parted = part_answers(((s.index, s.text, s.token_ids) for s in steps), thinking, marker_ids)
+        parted = part_answers(((s.index, s.text, s.token_ids) for s in steps), thinking, read_marker_ids)
     choices = []
-    hidden = hides_token_metadata(thinking, include_reasoning)
+    hidden = hides_token_metadata(parser_on, include_reasoning)
     for choice in summary.all_choices():
         message, num_calls = _message(role, echoed, choice, parted, include_reasoning, tool_choice)
         choices.append(

@@ -11,7 +11,7 @@ choice's finish reason on the chunk of its final step (after its parsers' held-b
 as it finishes while others go on, the last one's with the summary, which it carries as `epd`
 details; with stream_options include_usage a last chunk of no choices with the usage. Chunks list
 their tokens' ids (`token_ids`) only with vLLM's `return_token_ids`; neither ids nor logprobs with
-the reasoning left out (`include_reasoning` false under a reasoning parser), as vLLM's. Every chunk carries `usage`:
+`include_reasoning` false under a parser (reasoning, or auto tool alone), as vLLM's. Every chunk carries `usage`:
 null with include_usage, the usage so far with continuous_usage_stats too.
 """
 
@@ -26,7 +26,7 @@ from epd.gateway.chat_answer import hides_token_metadata
 from epd.gateway.chat_request import ChatRequest
 from epd.gateway.completions_protocol import text_completion_chunk
 from epd.gateway.logprobs_protocol import chat_logprobs, completion_logprobs
-from epd.gateway.reasoning import MarkerIds, ReasoningStream, delta_fields
+from epd.gateway.reasoning import MarkerIdsReader, ReasoningStream, delta_fields
 from epd.gateway.summary_fields import epd_details, usage
 from epd.gateway.tool_parsers.answer import ToolAnswerStream, tool_finish_reason
 from epd.model_runtime.detokenizer import StopReason
@@ -38,15 +38,16 @@ from epd.stages.names import Stage
 class ChatChunks:
     """One streamed answer's chunk bodies: `note` the events before its tokens (prefill's prompt
     token count, the prompt's logprobs), then each choice's `opening` and `echo`, each token step's
-    chunks (`add`) and the end's (`finish`). `thinking` None: no reasoning parser; `marker_ids`:
-    the think markers' token ids, by which the reasoning tokens are counted (None: by the text)."""
+    chunks (`add`) and the end's (`finish`). `thinking` None: no reasoning parser;
+    `read_marker_ids`: reads the think markers' token ids, by which the reasoning tokens are
+    counted, at each choice's first token (None, or not known then: by the text)."""
 
     def __init__(
         self,
         chat: ChatRequest,
         request_id: str,
         thinking: bool | None,
-        marker_ids: MarkerIds | None = None,
+        read_marker_ids: MarkerIdsReader | None = None,
         created: int | None = None,
     ) -> None:
         self.chat = chat
@@ -69,7 +70,7 @@ class ChatChunks:
         self.parted = (
             {}
             if thinking is None
-            else {i: ReasoningStream(thinking, marker_ids) for i in range(chat.generation.n)}
+            else {i: ReasoningStream(thinking, read_marker_ids) for i in range(chat.generation.n)}
         )
         self.reasoning_tokens = 0
         # Each choice's content parted into text and tool calls, by index (with tools to parse or force).
@@ -212,7 +213,7 @@ class ChatChunks:
     @property
     def metadata_hidden(self) -> bool:
         """Whether the chunks leave out their tokens' logprobs and ids (`hides_token_metadata`)."""
-        return hides_token_metadata(self.thinking, self.chat.include_reasoning)
+        return hides_token_metadata(self.chat.parser_on, self.chat.include_reasoning)
 
     @property
     def token_ids_shown(self) -> bool:

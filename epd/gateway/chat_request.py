@@ -113,7 +113,14 @@ class ChatRequest:
     (vLLM's `prompt_token_ids`): the gateway does not hold them (prefill tokenises)."""
     include_reasoning: bool = True
     """vLLM's `include_reasoning`: false leaves a thinking model's reasoning out of the answer
-    (with `--reasoning-parser`; without one the answer is the text whole, as vLLM's)."""
+    (with `--reasoning-parser`; without one the answer is the text whole, as vLLM's), and with any
+    parser (`parser_on`) every token's logprobs and ids (`hides_token_metadata`)."""
+    parser_on: bool = False
+    """A parser reads this chat answer: vLLM's chat serving has its `parser` object, which
+    `ParserManager.get_parser` makes for `--reasoning-parser`, or for `--enable-auto-tool-choice`
+    with `--tool-call-parser` (a tool parser alone too; the parser flag without auto makes none).
+    Set by the front door from the server's flags (`HttpApiConfig.parser_on`); False for a legacy
+    completion, which vLLM does not parse."""
     tool_choice: ToolChoice = ToolChoice()
     """OpenAI's `tool_choice` over the request's tools (`template.tools`): whether the answer's
     text is parsed for calls (`epd.gateway.tool_parsers`) or forced to them

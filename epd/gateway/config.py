@@ -141,6 +141,14 @@ class HttpApiConfig:
     demo: WebDemoConfig = field(default_factory=WebDemoConfig)
     """The web demo's own decodes (`POST /demo/frames`)."""
 
+    @property
+    def parser_on(self) -> bool:
+        """Whether a parser reads chat answers, as vLLM's chat serving makes its `parser` object
+        (`ParserManager.get_parser`): for `--reasoning-parser`, or for `--enable-auto-tool-choice`
+        with `--tool-call-parser` (`--tool-call-parser` alone makes none). Under one,
+        `include_reasoning: false` hides every token's logprobs and ids (`ChatRequest.parser_on`)."""
+        return bool(self.reasoning_parser) or (self.enable_auto_tool_choice and bool(self.tool_call_parser))
+
     def __post_init__(self) -> None:
         if self.reasoning_parser and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(

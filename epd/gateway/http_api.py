@@ -195,7 +195,7 @@ class HttpApi:
         self.in_flight = CallsInFlight()
         """The requests answering now, ended with their own status at shutdown (`epd/gateway/shutdown.py`)."""
         self._reasoning_misfit_logged = False
-        self._text_count_logged = False  # `_marker_ids`: reasoning tokens counted by their text
+        self._text_count_logged = False  # `_read_marker_ids`: reasoning tokens counted by their text
 
     def app(self) -> web.Application:
         # client_max_size only backs up read_json_body for any route that calls request.read().
@@ -496,6 +496,7 @@ class HttpApi:
             self.pipeline.generation_defaults(self.config.generation),
         )
         if chat.raw_prompt is None:  # legacy completions are not parted: they go on working
+            chat.parser_on = self.config.http.parser_on
             self._check_reasoning_parser()
             check_auto_tool_choice(chat.tool_choice, self.config.http.enable_auto_tool_choice)
             if self.config.http.tool_call_parser:  # how "auto" reads the answer's calls
@@ -576,7 +577,7 @@ class HttpApi:
             return functools.partial(text_completion_body, summary, chat)
         if chat.responses is not None:
             return functools.partial(
-                response_body, summary, chat, thinking, steps, marker_ids=self._marker_ids(thinking)
+                response_body, summary, chat, thinking, steps, read_marker_ids=self._read_marker_ids
             )
         return functools.partial(
             completion_body,
@@ -586,9 +587,10 @@ class HttpApi:
             echoed=chat.echoed_text,
             thinking=thinking,
             include_reasoning=chat.include_reasoning,
+            parser_on=chat.parser_on,
             tool_choice=chat.tool_choice,
             steps=steps,
-            marker_ids=self._marker_ids(thinking),
+            read_marker_ids=self._read_marker_ids,
             return_token_ids=chat.return_token_ids,
         )
 
@@ -604,14 +606,13 @@ class HttpApi:
             log.error("refusing chat requests: %s", misfit)
         raise ServerMisconfigured(misfit)
 
-    def _marker_ids(self, thinking: bool | None) -> MarkerIds | None:
-        """The served model's think markers' token ids, by which a thinking answer's reasoning
-        tokens are counted (`epd.gateway.reasoning.marker_ids`; None without a parser). Not known
-        (no model info yet, a prefill from before them, replicas that disagree), they are counted
-        by where the text falls, which the first such answer logs once, for the operator; each
-        answer reads them afresh, so those after they come are counted by id."""
-        if thinking is None:
-            return None
+    def _read_marker_ids(self) -> MarkerIds | None:
+        """The served model's think markers' token ids as the gateway knows them now, by which a
+        thinking answer's reasoning tokens are counted (`epd.gateway.reasoning.marker_ids`): each
+        choice's `ReasoningStream` reads them at its first token (`MarkerIdsReader`), so an answer
+        whose model info came after its request, before its first token, is counted by id. Not
+        known (no model info yet, a prefill from before them, replicas that disagree), they are
+        counted by where the text falls, which the first such answer logs once, for the operator."""
         ids = marker_ids(self.pipeline.model_info(), self.config.http.reasoning_parser)
         if ids is None and not self._text_count_logged:
             self._text_count_logged = True
@@ -637,13 +638,12 @@ class HttpApi:
     ) -> web.StreamResponse:
         stream = SseStream(request, request_id, self.in_flight, self.config.http.sse_keepalive_s)
         thinking = self._thinking(chat)
-        ids = self._marker_ids(thinking)
         if chat.responses is not None:
-            shaper = ResponseEvents(chat, request_id, thinking, marker_ids=ids)
+            shaper = ResponseEvents(chat, request_id, thinking, read_marker_ids=self._read_marker_ids)
             write = write_response_events(stream, shaper, events, log_summary)
         else:
             write = write_chat_events(
-                stream, ChatChunks(chat, request_id, thinking, ids), events, log_summary
+                stream, ChatChunks(chat, request_id, thinking, self._read_marker_ids), events, log_summary
             )
         try:
             await stream.run(write)

@@ -25,12 +25,14 @@ them, each its own way (`MarkerIds.later_blocks`: deepseek_r1 counts a block the
 after its `</think>`, qwen3 does not): the gateway loads no tokenizer, so prefill reports the
 markers' ids (`ModelInfo.reasoning_marker_ids`, read by `marker_ids`). Not where the text falls:
 decode may send a step's text late (a stop string's possible start held back) or with the text of
-tokens after `</think>`'s.
+tokens after `</think>`'s. Each choice's `ReasoningStream` reads the ids at its first token
+(`MarkerIdsReader`), not when the request came: the gateway learns the model from prefill in the
+background, so a request that came before may still have them by its first token.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -53,6 +55,12 @@ class MarkerIds:
     (vllm/reasoning/basic_parsers.py) counts every token inside `<think>` ... `</think>`,
     nested or again, by depth. Its qwen3 (the parser engine's Qwen3 grammar, vllm/parser/qwen3.py)
     leaves reasoning at the first `</think>` for good (docs/from-vllm.md cites both)."""
+
+
+MarkerIdsReader = Callable[[], MarkerIds | None]
+"""Reads the served model's `MarkerIds` as the gateway knows them now (`marker_ids` of its model
+info; None: not known). A `ReasoningStream` calls it once, at its answer's first token: model info
+that comes after the request but before any token is counted still counts the answer by id."""
 
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
@@ -131,16 +139,19 @@ class ReasoningStream:
     of the whole text (`finish` gives what was held back). Fed each step's token ids too, it
     counts the answer's reasoning tokens (`num_reasoning_tokens`) in the same pass; fed its tokens'
     texts, it tells which of them are the content's (`num_content_tokens`, for their logprobs).
-    `marker_ids`: the served model's (`marker_ids`), None when not known."""
+    `read_marker_ids`: reads the served model's ids (`MarkerIdsReader`) at the first token; None
+    (or its None then): not known, the tokens are counted by where the text falls."""
 
-    def __init__(self, thinking: bool, marker_ids: MarkerIds | None = None) -> None:
+    def __init__(self, thinking: bool, read_marker_ids: MarkerIdsReader | None = None) -> None:
         self.in_reasoning = thinking
         """True until the text after `</think>` begins (False from the start with thinking off)."""
         self.num_reasoning_tokens = 0
         """The tokens inside the thinking block so far, its markers left out, as vLLM counts the
         Responses API's `usage.output_tokens_details.reasoning_tokens` and chat's
         `usage.completion_tokens_details.reasoning_tokens` (`add`)."""
-        self._marker_ids = marker_ids
+        self._read_marker_ids = read_marker_ids
+        self._marker_ids: MarkerIds | None = None  # read at the first token (`_ids`)
+        self._ids_read = False
         self._depth = int(thinking)  # blocks open at this token (by id): the template's first
         self._own_start = thinking  # the model's `<think>` before its `</think>` opens no other
         self._start_dropped = False  # the model's own `<think>`, dropped once
@@ -153,18 +164,29 @@ class ReasoningStream:
         parsers count them (`_count`): every token before the `</think>` token (from the answer's
         start, which the template opened), and with deepseek_r1 those of a block opened again
         after it, the markers' tokens left out, however decode sent their text. Without the ids
-        (`marker_ids` None) a step's tokens count by where its text falls, each marker the text
+        (not known at the first token, `_ids`) a step's tokens count by where its text falls, each marker the text
         completes one of them that does not count."""
-        if self._marker_ids is not None:
-            self._count(token_ids, self._marker_ids)
+        ids = self._ids()
+        if ids is not None:
+            self._count(token_ids, ids)
         if not self.in_reasoning:
             return ReasoningSplit("", text)
         dropped = self._start_dropped
         split = self._split(text)
-        if self._marker_ids is None:
+        if ids is None:
             num_markers = (not self.in_reasoning) + (self._start_dropped and not dropped)
             self.num_reasoning_tokens += max(0, len(token_ids) - num_markers)
         return split
+
+    def _ids(self) -> MarkerIds | None:
+        """The served model's marker ids, read once, at the answer's first token (its first `add`):
+        read then rather than when the request came, as the gateway may learn them meanwhile
+        (prefill's model info comes in the background); never changed after, so one answer is
+        counted one way."""
+        if not self._ids_read:
+            self._ids_read = True
+            self._marker_ids = None if self._read_marker_ids is None else self._read_marker_ids()
+        return self._marker_ids
 
     def _count(self, token_ids: Sequence[int], ids: MarkerIds) -> None:
         """By id, as vLLM's parser counts (`MarkerIds.later_blocks`): a block the template opened
@@ -208,7 +230,7 @@ class ReasoningStream:
         # after it): dropped as `split_reasoning` drops it, and its token is no reasoning token.
         dropped = self._start_dropped
         reasoning = self._drop_start(held)
-        if self._start_dropped and not dropped and self._marker_ids is None:
+        if self._start_dropped and not dropped and self._ids() is None:
             self.num_reasoning_tokens = max(0, self.num_reasoning_tokens - 1)
         return ReasoningSplit(reasoning, "")
 
@@ -266,18 +288,20 @@ class PartedAnswers:
 
 
 def part_answers(
-    steps: Iterable[tuple[int, str, Sequence[int]]], thinking: bool, marker_ids: MarkerIds | None = None
+    steps: Iterable[tuple[int, str, Sequence[int]]],
+    thinking: bool,
+    read_marker_ids: MarkerIdsReader | None = None,
 ) -> PartedAnswers:
     """A whole answer parted from its steps, each (choice index, text, token ids), in order, in
-    one pass: every choice's through a `ReasoningStream` of its own (`marker_ids`: the served
-    model's), as a stream parts it, which counts its reasoning tokens as it parts the text (the
+    one pass: every choice's through a `ReasoningStream` of its own (`read_marker_ids`: reads the
+    served model's ids), as a stream parts it, which counts its reasoning tokens as it parts the text (the
     Responses answer's shape, `epd.gateway.responses_events.response_body`). As vLLM's whole
     message: `reasoning` None with thinking off; `content` None when nothing came after the block
     (or it never closed)."""
     streams: dict[int, ReasoningStream] = {}
     parts: dict[int, tuple[list[str], list[str]]] = {}
     for index, text, token_ids in steps:
-        stream = streams.setdefault(index, ReasoningStream(thinking, marker_ids))
+        stream = streams.setdefault(index, ReasoningStream(thinking, read_marker_ids))
         split = stream.add(text, token_ids)
         reasoning, content = parts.setdefault(index, ([], []))
         reasoning.append(split.reasoning or "")

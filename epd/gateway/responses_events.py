@@ -43,7 +43,7 @@ from typing import Any
 from epd.gateway.ask_types import AskSummary
 from epd.gateway.chat_request import ChatRequest
 from epd.gateway.logprobs_protocol import chat_logprobs
-from epd.gateway.reasoning import MarkerIds, ReasoningStream
+from epd.gateway.reasoning import MarkerIdsReader, ReasoningStream
 from epd.gateway.summary_fields import epd_details
 from epd.gateway.tool_parsers.answer import ToolAnswerStream
 from epd.model_runtime.logprobs import TokenLogprob
@@ -82,14 +82,14 @@ class ResponseEvents:
         thinking: bool | None,
         created: int | None = None,
         whole: bool = False,
-        marker_ids: MarkerIds | None = None,
+        read_marker_ids: MarkerIdsReader | None = None,
     ):
         self.chat = chat
         self.request_id = request_id
         self.created = created if created is not None else int(time.time())
         self.output: list[dict[str, Any]] = []
         self._sequence = 0
-        self._reasoning = None if thinking is None else ReasoningStream(thinking, marker_ids)
+        self._reasoning = None if thinking is None else ReasoningStream(thinking, read_marker_ids)
         self._tools = (
             ToolAnswerStream(chat.tool_choice, incremental=not whole)
             if chat.tool_choice.mode != "none"
@@ -345,12 +345,14 @@ def response_body(
     thinking: bool | None,
     steps: Iterable[TokenStep],
     created: int | None = None,
-    marker_ids: MarkerIds | None = None,
+    read_marker_ids: MarkerIdsReader | None = None,
 ) -> dict[str, Any]:
     """The whole answer's `response`: its token `steps` through the same `ResponseEvents` a stream
-    goes through (which counts its reasoning tokens, by id with the served model's `marker_ids`,
-    and places its logprobs), at its end."""
-    events = ResponseEvents(chat, summary.request_id, thinking, created, whole=True, marker_ids=marker_ids)
+    goes through (which counts its reasoning tokens, by id with the served model's ids that
+    `read_marker_ids` reads, and places its logprobs), at its end."""
+    events = ResponseEvents(
+        chat, summary.request_id, thinking, created, whole=True, read_marker_ids=read_marker_ids
+    )
     for step in steps:
         events.add(step.text, step.token_ids, step.logprobs)
     return events.finish(summary)[-1]["response"]

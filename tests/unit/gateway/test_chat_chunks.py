@@ -32,6 +32,7 @@ def _chat(thinking: bool | None = None, **body) -> ChatChunks:
         SamplingOptions(),
         GenerationConfig(),
     )
+    chat.parser_on = thinking is not None  # as the front door sets it under a reasoning parser
     return ChatChunks(chat, "req-1", thinking, created=7)
 
 
@@ -162,7 +163,7 @@ def test_no_logprobs_with_the_reasoning_left_out_whole_or_streamed():
 
     def whole(include_reasoning: bool) -> dict | None:
         body = completion_body(
-            summary, "epd", thinking=True, include_reasoning=include_reasoning, steps=steps
+            summary, "epd", thinking=True, include_reasoning=include_reasoning, parser_on=True, steps=steps
         )
         return body["choices"][0]["logprobs"]
 

@@ -679,6 +679,29 @@ def test_streamed_choices_part_their_own_tool_calls_with_their_own_finish_reason
     assert finishes == [["tool_calls"], ["length"]]
 
 
+def _post_each(config: GatewayConfig, pipeline, posts: list[tuple[str, dict, ModelInfo | None]]) -> list[str]:
+    """POST each (path, body, model info) in turn to one in-process API over `pipeline` (which
+    has an `info`: the model info it reports, set to the post's before it); the answers' texts."""
+
+    async def run() -> list[str]:
+        api = HttpApi(config, pipeline, GatewayMetrics())
+        runner = web.AppRunner(api.app())
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        try:
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}") as session:
+                texts = []
+                for path, body, info in posts:
+                    pipeline.info = info
+                    async with session.post(path, json=body) as resp:
+                        texts.append((await resp.read()).decode())
+                return texts
+        finally:
+            await runner.cleanup()
+
+    return asyncio.run(run())
+
+
 class _LateModelInfoPipeline(_TwoChoicesPipeline):
     """`_TwoChoicesPipeline` whose model info (with the think markers' ids: `</think>` is the
     token of choice 0's third step) is known only once `info` is set."""
@@ -701,26 +724,9 @@ def test_without_the_think_markers_ids_reasoning_is_counted_by_its_text_logged_o
 
     config = GatewayConfig(http=HttpApiConfig(port=0, reasoning_parser="qwen3"))
     body = {"messages": [{"role": "user", "content": "q"}], "n": 2}
-    pipeline = _LateModelInfoPipeline()
-
-    async def run() -> list[dict]:
-        api = HttpApi(config, pipeline, GatewayMetrics())
-        runner = web.AppRunner(api.app())
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        try:
-            async with aiohttp.ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}") as session:
-                replies = []
-                for info in (None, None, _THINKING_INFO):
-                    pipeline.info = info
-                    async with session.post("/v1/chat/completions", json=body) as resp:
-                        replies.append(json.loads(await resp.read()))
-                return replies
-        finally:
-            await runner.cleanup()
-
+    posts = [("/v1/chat/completions", body, info) for info in (None, None, _THINKING_INFO)]
     with caplog.at_level(logging.WARNING, logger="epd.gateway.http_api"):
-        replies = asyncio.run(run())
+        replies = [json.loads(text) for text in _post_each(config, _LateModelInfoPipeline(), posts)]
     # by text: choice 0's "hm</thi" (1 token), then "nk><tool" (1 token, taken for the marker's);
     # choice 1's "ok</think>It is" (1 token, taken for the marker's). By id: choice 0's token 5
     # before `</think>`'s 7; choice 1's 6 and 9 (its "</think>" is text inside token 6, no marker token)
@@ -742,3 +748,122 @@ _THINKING_INFO = ModelInfo(
     reasoning_marker_ids=(99, 7),
 )
 """A thinking model's info whose `</think>` is token 7."""
+
+
+class _ModelInfoAtFirstTokenPipeline(Pipeline):
+    """One thinking answer whose model info (the think markers' ids, `_THINKING_INFO`) the gateway
+    learns after the request came, before its first token, as prefill's model info comes in the
+    background. Its second step carries `</think>` (token 7) with the content's first token, so by
+    id one token is reasoning, by where the text falls two (the step's two tokens, one taken for
+    the marker's, and the first step's)."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None, None)  # type: ignore[arg-type]  # no stage: ask is the fake's
+        self.info: ModelInfo | None = None
+
+    def model_info(self) -> ModelInfo | None:  # type: ignore[override]
+        return self.info
+
+    async def ask(self, req):  # type: ignore[override]
+        from epd.stages.contracts import StageEvent, TokenStep
+        from epd.stages.names import Stage
+
+        yield StageEvent(Stage.PREFILL, "finished", 1.0, {"num_prompt_tokens": "30"})
+        self.info = _THINKING_INFO  # known now: after the stream began, before its first token
+        yield TokenStep([5], "a")
+        yield TokenStep([7, 8], "</think>b", finish_reason="stop")
+        summary = _summary([5, 7, 8], "a</think>b", 30)
+        summary.finish_reason = "stop"
+        yield summary
+
+
+def test_an_answer_whose_model_info_comes_before_its_first_token_counts_its_reasoning_by_id(caplog):
+    """The think markers' ids were read when a stream began: a stream that began before the
+    gateway had prefill's model info was counted by where the text falls to its end, though the
+    ids were known by its first token. They are read at the first token now, by the one
+    `ReasoningStream` every answer goes through: chat's and the Responses API's, streamed and
+    whole, count alike, so only an answer whose ids are still unknown then falls back (and
+    nothing is logged here)."""
+    import json
+
+    config = GatewayConfig(http=HttpApiConfig(port=0, reasoning_parser="qwen3"))
+    chat_body = {"messages": [{"role": "user", "content": "q"}]}
+    usage = {"stream_options": {"include_usage": True}}
+    # each request comes before the model info, which comes before its first token
+    posts = [
+        ("/v1/chat/completions", {**chat_body, "stream": True, **usage}, None),
+        ("/v1/responses", {"input": "q", "stream": True}, None),
+        ("/v1/chat/completions", chat_body, None),
+        ("/v1/responses", {"input": "q"}, None),
+    ]
+    with caplog.at_level(logging.WARNING, logger="epd.gateway.http_api"):
+        chat_text, responses_text, chat_whole, responses_whole = _post_each(
+            config, _ModelInfoAtFirstTokenPipeline(), posts
+        )
+    chat = [json.loads(line[6:]) for line in chat_text.splitlines() if line.startswith("data: {")]
+    assert "".join(c["delta"].get("reasoning") or "" for ch in chat for c in ch["choices"]) == "a"
+    events = [json.loads(line[6:]) for line in responses_text.splitlines() if line.startswith("data: {")]
+    (completed,) = [e["response"] for e in events if e["type"] == "response.completed"]
+    counts = [
+        chat[-1]["usage"]["completion_tokens_details"]["reasoning_tokens"],
+        completed["usage"]["output_tokens_details"]["reasoning_tokens"],
+        json.loads(chat_whole)["usage"]["completion_tokens_details"]["reasoning_tokens"],
+        json.loads(responses_whole)["usage"]["output_tokens_details"]["reasoning_tokens"],
+    ]
+    assert counts == [1, 1, 1, 1]  # by id: by the text, each 2
+    assert "counting reasoning tokens by where" not in caplog.text
+
+
+class _LogprobsPipeline(Pipeline):
+    """Two tokens with their logprobs (the request asked), one step each, then the summary."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None, None)  # type: ignore[arg-type]  # no stage: ask is the fake's
+
+    async def ask(self, req):  # type: ignore[override]
+        from epd.gateway.ask_types import ChoiceSummary
+        from epd.model_runtime.logprobs import TokenLogprob
+        from epd.stages.contracts import TokenStep
+
+        lps = [TokenLogprob(5, "a", -0.5), TokenLogprob(6, "b", -0.25)]
+        yield TokenStep([5], "a", logprobs=lps[:1])
+        yield TokenStep([6], "b", "stop", logprobs=lps[1:])
+        summary = _summary([5, 6], "ab", 30)
+        summary.finish_reason = "stop"
+        summary.choices = [ChoiceSummary(0, "ab", [5, 6], "stop", None, lps)]
+        yield summary
+
+
+def test_include_reasoning_false_hides_the_tokens_logprobs_and_ids_under_either_of_vllms_parsers():
+    """vLLM hides every generated token's logprobs and `token_ids` when `include_reasoning` is false
+    and its chat serving has a parser (`hide_stream_metadata` / `suppress_metadata`: `parser is not
+    None`), which `ParserManager.get_parser` makes for `--reasoning-parser` or for
+    `--enable-auto-tool-choice` with `--tool-call-parser`, a tool parser alone too; not for a
+    `--tool-call-parser` without `--enable-auto-tool-choice` (no parser), nor with no flag. epd hid
+    them only under a reasoning parser. Whole and streamed alike."""
+    import json
+
+    body = {"messages": [{"role": "user", "content": "q"}], "include_reasoning": False}
+    body |= {"logprobs": True, "return_token_ids": True}
+    configs = {
+        "no parser": (HttpApiConfig(port=0), False),
+        "a tool parser without auto": (HttpApiConfig(port=0, tool_call_parser="hermes"), False),
+        "a tool parser": (
+            HttpApiConfig(port=0, enable_auto_tool_choice=True, tool_call_parser="hermes"),
+            True,
+        ),
+        "a reasoning parser": (HttpApiConfig(port=0, reasoning_parser="qwen3"), True),
+    }
+    for name, (http, hidden) in configs.items():
+        config = GatewayConfig(http=http)
+        choice = json.loads(_post_chat(_LogprobsPipeline(), body, config))["choices"][0]
+        whole = (choice["logprobs"], choice.get("token_ids"))
+        assert (whole == (None, None)) == hidden, (name, whole)
+        text = _post_chat(_LogprobsPipeline(), {**body, "stream": True}, config)
+        chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        choices = [c for chunk in chunks for c in chunk["choices"]]
+        streamed = [(c["logprobs"], c.get("token_ids")) for c in choices]
+        shown = [s for s in streamed if s != (None, None)]
+        assert (shown == []) == hidden, (name, streamed)
+        if not hidden:
+            assert [ids for _, ids in shown] == [[5], [6]], (name, streamed)

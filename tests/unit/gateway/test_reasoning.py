@@ -4,6 +4,7 @@ as the whole text, wherever the deltas cut it), and the chat message and chunk f
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import replace
 
@@ -220,12 +221,12 @@ def test_reasoning_tokens_are_counted_by_token_id_as_vllms(thinking, steps, want
     (or the answer's start, a block the prompt opened) and </think>, the markers left out, however
     the text of those tokens comes; the stream that parts the text counts them in the same pass,
     and a whole answer's steps (`part_answers`) the same."""
-    stream = ReasoningStream(thinking, marker_ids=QWEN3_IDS)
+    stream = ReasoningStream(thinking, lambda: QWEN3_IDS)
     for text, token_ids in steps:
         stream.add(text, token_ids)
     stream.finish()
     assert stream.num_reasoning_tokens == want
-    whole = part_answers([(0, text, ids) for text, ids in steps], thinking, marker_ids=QWEN3_IDS)
+    whole = part_answers([(0, text, ids) for text, ids in steps], thinking, lambda: QWEN3_IDS)
     assert whole.num_reasoning_tokens == want
 
 
@@ -258,13 +259,13 @@ def test_a_block_the_model_opens_again_is_counted_as_its_parser_counts_it_in_vll
     does not (its grammar leaves reasoning at the first `</think>` for good). The text is parted
     alike: the block the template opened is the reasoning, all after its `</think>` content."""
     for later_blocks, want in ((False, qwen3), (True, deepseek_r1)):
-        ids = MarkerIds(THINK, END, later_blocks)
-        stream = ReasoningStream(True, ids)
+        read_ids = functools.partial(MarkerIds, THINK, END, later_blocks)
+        stream = ReasoningStream(True, read_ids)
         for text, token_ids in steps:
             stream.add(text, token_ids)
         stream.finish()
         assert stream.num_reasoning_tokens == want
-        whole = part_answers([(0, text, token_ids) for text, token_ids in steps], True, ids)
+        whole = part_answers([(0, text, token_ids) for text, token_ids in steps], True, read_ids)
         assert whole.num_reasoning_tokens == want
         assert whole.split(0) == split_reasoning("".join(text for text, _ in steps), True)
 
@@ -322,10 +323,10 @@ STEPS = [
 def test_chats_reasoning_tokens_are_each_choices_summed_and_reported_only_with_a_parser(ids):
     """vLLM's chat usage (`completion_tokens_details.reasoning_tokens`, with a reasoning parser):
     each choice's count, its steps interleaved with the other's, summed; no field without one."""
-    assert part_answers(STEPS, thinking=True, marker_ids=ids).num_reasoning_tokens == 1 + 3
-    assert part_answers(STEPS, thinking=False, marker_ids=ids).num_reasoning_tokens == 0
+    assert part_answers(STEPS, thinking=True, read_marker_ids=lambda: ids).num_reasoning_tokens == 1 + 3
+    assert part_answers(STEPS, thinking=False, read_marker_ids=lambda: ids).num_reasoning_tokens == 0
     cut = [(0, "a", [1]), (0, "<think>", [THINK])]
-    assert part_answers(cut, thinking=True, marker_ids=ids).num_reasoning_tokens == 1  # dropped
+    assert part_answers(cut, thinking=True, read_marker_ids=lambda: ids).num_reasoning_tokens == 1  # dropped
     assert "completion_tokens_details" not in completion_body(_summary("a"), "m")["usage"]
 
 
@@ -347,7 +348,9 @@ def test_a_whole_chat_answer_is_parted_and_counted_in_one_pass_over_its_steps(mo
         ChoiceSummary(1, "xy</think>z", [4, 5, 6, 7, 8], "stop"),
     ]
     steps = [TokenStep(ids, text, index=index) for index, text, ids in STEPS]
-    body = completion_body(summary, "m", created=1, thinking=True, steps=steps, marker_ids=QWEN3_IDS)
+    body = completion_body(
+        summary, "m", created=1, thinking=True, steps=steps, read_marker_ids=lambda: QWEN3_IDS
+    )
     # each step's text once while it thinks; after </think> a step is content as it comes
     assert parts == ["a", "x", "</think>", "y", "</think>"]
     messages = [(c["message"]["reasoning"], c["message"]["content"]) for c in body["choices"]]
