@@ -96,7 +96,7 @@ def _message(
     """A choice's message and the number of its tool calls: its text whole, or as the reasoning
     parser parted it (`parted`), its content's tool calls taken out under the request's tool choice
     (`answer_tool_calls`), then an echo put in front of the content (as vLLM's: the calls are the
-    generated text's, as the stream, which sends the echo in a chunk of its own, reads them)."""
+    generated text's, as the stream, which sends chat's echo in a chunk of its own, reads them)."""
     if parted is None:
         content: str | None = choice.answer
         fields: dict[str, Any] = {}

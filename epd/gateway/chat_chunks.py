@@ -2,13 +2,15 @@
 (`text_completion`s), shaped from the pipeline's events as they come. No HTTP here: the bodies
 are framed as server-sent events by `epd.gateway.sse_stream.write_chat_events`.
 
-A stream, as vLLM's: per choice, its opening (chat's: the assistant's role and "" content; then
-the echoed text in a chunk of its own, with `echo`); each token step's text (chat's parted into
-reasoning and content by the reasoning parser, the content read for tool calls by the choice's
-tool stream; a completion's with its logprobs' text offsets), a step that says nothing (its text
-held back by a parser) making no chunk unless it carries logprobs or asked-for token ids; each
-choice's finish reason on the chunk of its final step (after its parsers' held-back tails), sent
-as it finishes while others go on, the last one's with the summary, which it carries as `epd`
+A stream, as vLLM's: per choice, its opening (chat's: the assistant's role and "" content, then
+with `echo` the echoed text in a chunk of its own); each token step's one chunk (chat's text
+parted into reasoning and content by the reasoning parser, the content read for tool calls by the
+choice's tool stream, all the step's deltas in one, as vLLM's parsers give one DeltaMessage a
+step; a completion's with its logprobs' text offsets, its first step's text after the echoed
+prompt with `echo`, the prompt's logprobs first), a step that says nothing (its text held back by
+a parser) making no chunk unless it carries logprobs or asked-for token ids; each choice's finish
+reason on the chunk of its final step (its parsers' held-back tails joined to it), sent as it
+finishes while others go on, the last one's with the summary, which it carries as `epd`
 details; with stream_options include_usage a last chunk of no choices with the usage. Chunks list
 their tokens' ids (`token_ids`) only with vLLM's `return_token_ids`; neither ids nor logprobs with
 `include_reasoning` false under a parser (reasoning, or auto tool alone), as vLLM's. Every chunk carries `usage`:
@@ -37,8 +39,8 @@ from epd.stages.names import Stage
 
 class ChatChunks:
     """One streamed answer's chunk bodies: `note` the events before its tokens (prefill's prompt
-    token count, the prompt's logprobs), then each choice's `opening` and `echo`, each token step's
-    chunks (`add`) and the end's (`finish`). `thinking` None: no reasoning parser;
+    token count, the prompt's logprobs), then each choice's `opening` and chat's `echo`, each token
+    step's chunk (`add`) and the end's (`finish`). `thinking` None: no reasoning parser;
     `read_marker_ids`: reads the think markers' token ids, by which the reasoning tokens are
     counted, at each choice's first token (None, or not known then: by the text)."""
 
@@ -80,6 +82,10 @@ class ChatChunks:
             else {}
         )
         self.finished: set[int] = set()  # the choices whose finish chunk went out, by index
+        # A completion's choices whose first step has yet to carry the echoed prompt, by index
+        # (vLLM's: the prompt's text and logprobs go in front of the first step's, in its chunk).
+        self.unechoed = set(range(chat.generation.n)) if chat.raw_prompt is not None and chat.echo else set()
+        self.echo_held = False  # `last_chunks` holds a completion's echo
         # The last choice's final step's chunks, held back by `add` until the summary's details.
         self.last_chunks: list[dict[str, Any]] = []
 
@@ -103,51 +109,47 @@ class ChatChunks:
 
     @property
     def echo_is_costly(self) -> bool:
-        """The echo carries the prompt's logprobs (up to half a million entries): the writer builds
-        and writes it off the event loop."""
-        return bool(self.chat.echoed_text and self._echo_logprobs())
+        """The next chunks may carry the prompt's logprobs (a completion's echo with logprobs, up
+        to half a million entries): the writer makes and writes them off the event loop."""
+        return (
+            bool(self.unechoed or self.echo_held)
+            and self.prompt_logprobs is not None
+            and self.chat.generation.logprobs is not None
+        )
 
-    def echo(self, index: int) -> dict[str, Any] | None:
-        """Choice `index`'s echoed text, in a chunk of its own as vLLM streams an echo (None
-        without `echo`), with the prompt's logprobs when the request asked for logprobs."""
-        if not (echoed := self.chat.echoed_text):
-            return None
-        echo_logprobs = self._echo_logprobs()
-        chunk = _delta_chunk(
-            self.chat, self.request_id, self.created, echoed, None, echo_logprobs, index=index
-        )
-        # The answer's offsets go on from the prompt tokens' (each token's text), as in the whole
-        # answer's list (`text_completion_body`).
-        self.text_offsets[index] = (
-            len(echoed) if echo_logprobs is None else sum(len(lp.token) for lp in echo_logprobs)
-        )
-        return self._with_usage(chunk)
+    def echo(self, index: int) -> list[dict[str, Any]]:
+        """Choice `index`'s echoed text in a chat answer, in a chunk of its own after the role's as
+        vLLM's chat streams it, with no logprobs (none without `echo`; a completion's echo joins
+        its first step's chunk, `add`)."""
+        if self.chat.raw_prompt is not None or not (echoed := self.chat.echoed_text):
+            return []
+        return [
+            self._with_usage(
+                chunk_body(self.request_id, self.chat.model, self.created, {"content": echoed}, index=index)
+            )
+        ]
 
     def add(self, step: TokenStep) -> list[dict[str, Any]]:
-        """A token step's chunks: its text's (the reasoning parser's split, the tool calls read so
-        far, each call delta past the first in a chunk of its own), the step's finish reason on
-        the last of them when it ends its choice, as vLLM's. A step that says nothing (a parser
-        holding its text back) makes no chunk unless the chunk would carry its logprobs or the
-        token ids asked for, as vLLM's. The last choice to end waits for the summary (`finish`)."""
+        """A token step's chunk: its text's (the reasoning parser's split and the tool calls read
+        so far, in one delta as vLLM's parsers give one a step; a completion's first step after
+        its echoed prompt), the step's finish reason on it when it ends its choice, as vLLM's. A
+        step that says nothing (a parser holding its text back) makes no chunk unless the chunk
+        would carry its logprobs or the token ids asked for, as vLLM's. The last choice to end
+        waits for the summary (`finish`)."""
         self.num_tokens += len(step.token_ids)
         self.choice_tokens[step.index] = self.choice_tokens.get(step.index, 0) + len(step.token_ids)
         chat = self.chat
         chunks: list[dict[str, Any]] = []
-        # echo_only: the prompt alone went out (vLLM's echo without generation); its one generated
-        # token's id still goes, as in the whole answer's `token_ids`.
-        if chat.echo_only:
-            chunks.append(
-                _delta_chunk(
-                    chat, self.request_id, self.created, "", self._ids(step.token_ids), index=step.index
-                )
-            )
-        elif step.token_ids or step.text:
+        echoed = step.index in self.unechoed
+        if echoed:
+            chunks.append(self._echoed(step))
+        # echo_only's one step is its echo: no other step comes (max_tokens 1)
+        elif (step.token_ids or step.text) and not chat.echo_only:
             split = self.parted[step.index].add(step.text, step.token_ids) if self.parted else None
             delta = None if split is None else delta_fields(split, chat.include_reasoning)
             logprobs = None if self.metadata_hidden else step.logprobs
-            more: list[dict[str, Any]] = []  # tool call deltas past the first, in chunks of their own
             if self.tooled:
-                delta, more = _tool_deltas(
+                delta = _tool_delta(
                     self.tooled[step.index], delta, step.text if split is None else split.content
                 )
             # (a final step that says nothing still ends its choice: `_finish_choice`'s bare chunk)
@@ -165,21 +167,11 @@ class ChatChunks:
                         delta,
                     )
                 )
-            for extra in more:
-                chunks.append(
-                    chunk_body(
-                        self.request_id,
-                        chat.model,
-                        self.created,
-                        extra,
-                        token_ids=self._ids([]),
-                        index=step.index,
-                    )
-                )
             self.text_offsets[step.index] = self.text_offsets.get(step.index, 0) + len(step.text)
         if step.finish_reason:
             if len(self.finished) + 1 == chat.generation.n:
                 self.last_chunks = chunks  # the summary's details go on its end
+                self.echo_held = echoed
                 return []
             chunks = self._finish_choice(step.index, step.finish_reason, step.stop_reason, chunks)
         return [self._with_usage(chunk) for chunk in chunks]
@@ -189,6 +181,7 @@ class ChatChunks:
         `add`, its last chunk carrying the summary as `epd_details`), then with include_usage the
         usage chunk."""
         self.num_prompt_tokens = summary.num_prompt_tokens
+        self.echo_held = False
         chunks: list[dict[str, Any]] = []
         left = [c for c in summary.all_choices() if c.index not in self.finished]
         for choice in left:
@@ -232,10 +225,11 @@ class ChatChunks:
         chunks: list[dict[str, Any]],
         details: dict | None = None,
     ) -> list[dict[str, Any]]:
-        """Choice `index`'s end: its final step's `chunks`, the tails its parsers held back (a
-        reasoning marker's start, a tool call's text), the last of them with its finish reason
-        ("tool_calls" when it made calls, as vLLM's; an empty delta when there is none) and, on
-        the request's last, the summary's `epd` details."""
+        """Choice `index`'s end: its final step's chunk (`chunks`, none when the step said nothing)
+        with the tails its parsers held back (a reasoning marker's start, a tool call's text)
+        joined to its delta, vLLM's one chunk a step, and its finish reason ("tool_calls" when it
+        made calls, as vLLM's; an empty delta when there is nothing to say) and, on the request's
+        last, the summary's `epd` details."""
         chat = self.chat
         self.finished.add(index)
         deltas = []
@@ -246,15 +240,20 @@ class ChatChunks:
         if (calls := self.tooled.pop(index, None)) is not None:
             deltas += calls.finish()
             reason = tool_finish_reason(chat.tool_choice, calls.num_calls, reason or "stop", streamed=True)
-        chunks = [
-            *chunks,
-            *(
+        if deltas and chunks:
+            choice = chunks[-1]["choices"][0]
+            choice["delta"] = joined_delta([choice["delta"], *deltas])
+        elif deltas:
+            chunks = [
                 chunk_body(
-                    self.request_id, chat.model, self.created, delta, token_ids=self._ids([]), index=index
+                    self.request_id,
+                    chat.model,
+                    self.created,
+                    joined_delta(deltas),
+                    token_ids=self._ids([]),
+                    index=index,
                 )
-                for delta in deltas
-            ),
-        ]
+            ]
         if not chunks:
             chunks = [_final_chunk(chat, self.request_id, self.created, index)]
         choice = chunks[-1]["choices"][0]
@@ -290,24 +289,61 @@ class ChatChunks:
         """The chunks `add` held back for the summary, without their finish reason, when the
         answer fails before it (the error event follows them)."""
         chunks, self.last_chunks = self.last_chunks, []
+        self.echo_held = False
         return [self._with_usage(chunk) for chunk in chunks]
 
-    def _echo_logprobs(self) -> Sequence[TokenLogprob] | None:
-        return self.prompt_logprobs if self.chat.generation.logprobs is not None else None
+    def _echoed(self, step: TokenStep) -> dict[str, Any]:
+        """A completion's first step of choice `index` under `echo`, as vLLM's stream makes it:
+        the prompt's text and then the step's (the prompt alone with max_tokens 0, vLLM's echo
+        without generation), with logprobs the prompt's tokens' (the first with nulls) then the
+        step's, their offsets from 0; its token ids the step's (the prompt's are no generated
+        token's). The choice's later offsets go on from this chunk's text's length, as vLLM's
+        `previous_text_lens`."""
+        self.unechoed.discard(step.index)
+        generated = not self.chat.echo_only
+        text = self.chat.echoed_text + (step.text if generated else "")
+        logprobs = None
+        if self.chat.generation.logprobs is not None:
+            logprobs = [*(self.prompt_logprobs or ()), *((step.logprobs or []) if generated else [])]
+        self.text_offsets[step.index] = len(text)
+        return _delta_chunk(
+            self.chat, self.request_id, self.created, text, self._ids(step.token_ids), logprobs, 0, step.index
+        )
 
 
-def _tool_deltas(
+def _tool_delta(
     stream: ToolAnswerStream, delta: dict[str, Any] | None, content: str | None
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+) -> dict[str, Any]:
     """A step's delta with its content (`content`, after the reasoning parser's split when one is
-    set) passed through the choice's tool stream: (the step's delta, further deltas to send after
-    it). The reasoning fields stay in the step's own delta; the first of the tool stream's deltas
-    joins them."""
+    set) passed through the choice's tool stream: the reasoning fields and all the tool stream's
+    deltas for the step in one (`joined_delta`), as vLLM's parsers give one DeltaMessage a step."""
     step = {k: v for k, v in (delta or {}).items() if k != "content"}
-    deltas = stream.add(content) if content else []
-    if deltas:
-        step.update(deltas[0])
-    return step, deltas[1:]
+    return joined_delta([step, *(stream.add(content) if content else [])])
+
+
+def joined_delta(deltas: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Chat deltas made one, in order: their texts (`content`, the reasoning fields) joined, their
+    `tool_calls` listed, one entry per call, a call's pieces joined (its header's id, type and name
+    with its arguments' text), as vLLM's one DeltaMessage of a step holds them."""
+    out: dict[str, Any] = {}
+    for delta in deltas:
+        for key, value in delta.items():
+            if key == "tool_calls":
+                calls = out.setdefault("tool_calls", [])
+                for call in value:
+                    if calls and calls[-1]["index"] == call["index"]:
+                        last = calls[-1]
+                        arguments = last["function"].get("arguments", "") + call["function"].get(
+                            "arguments", ""
+                        )
+                        calls[-1] = {**last, "function": {**last["function"], "arguments": arguments}}
+                    else:
+                        calls.append({**call, "function": dict(call["function"])})
+            elif isinstance(out.get(key), str) and isinstance(value, str):
+                out[key] += value
+            else:
+                out[key] = value
+    return out
 
 
 def _delta_chunk(
@@ -322,10 +358,10 @@ def _delta_chunk(
     delta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A streamed answer's chunk of new text for choice `index`: chat's delta, or a legacy
-    completion's text; `token_ids` None (no `token_ids` field): not asked for, or the echoed text,
-    which no generated token made. `logprobs`: those of `token_ids` when the request asked (a completion's first
-    `text_offset` is the length of the choice's text sent before this chunk, as vLLM streams it),
-    or, of the echoed text, the prompt's tokens' (the first with nulls).
+    completion's text; `token_ids` None (no `token_ids` field): not asked for. `logprobs`: those
+    of `token_ids` when the request asked (a completion's first `text_offset` is the length of the
+    choice's text sent before this chunk, as vLLM streams it), with an echo the prompt's tokens'
+    first (the first with nulls).
     `delta`: chat's, the text parted by the reasoning parser (None: `{"content": text}`)."""
     if chat.raw_prompt is not None:
         return text_completion_chunk(

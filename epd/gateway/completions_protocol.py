@@ -9,7 +9,8 @@ refused (400), as epd answers one prompt per call. The generation options, strea
 `echo` (a token-id prompt's text is prefill's Detokenize of its ids, as vLLM's renderer decodes
 them; with `max_tokens` 0 the prompt alone, vLLM's echo without generation), `logprobs`
 (`epd.gateway.logprobs_protocol`; with `echo`, the prompt's tokens' logprobs come first, as
-vLLM's; streamed, in the echoed prompt's chunk, before the answer's tokens stream with theirs) and
+vLLM's; streamed, as vLLM's, each choice's first chunk is the prompt's text and its first step's,
+with the prompt's tokens' logprobs then the step's) and
 vLLM's `prompt_logprobs` are taken, `suffix` is refused. The answer is a `text_completion`
 (streamed: `text_completion` chunks ending in `data: [DONE]`), each choice with vLLM's
 `stop_reason` and `token_ids`, and the same `usage` and `epd` objects as chat's.
@@ -96,8 +97,8 @@ def parse_completion_request(
     generation: GenerationConfig = options["generation"]
     if echo and logprobs is not None:
         # vLLM's: the choice's logprobs list the prompt's tokens first, so echo asks for the
-        # prompt's logprobs (prompt_logprobs, when unset, is logprobs); streamed, the echo's chunk
-        # carries them (`epd.gateway.ask_types.PromptLogprobs`).
+        # prompt's logprobs (prompt_logprobs, when unset, is logprobs); streamed, each choice's
+        # first chunk carries them (`epd.gateway.ask_types.PromptLogprobs`).
         if generation.prompt_logprobs is None:
             options["generation"] = replace(generation, prompt_logprobs=logprobs)
     check_raw_prompt(prompt)

@@ -16,6 +16,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -138,10 +139,16 @@ async def write_chat_events(
     the 200 goes with the first token (or the first keep-alive)."""
     call = current_call()
 
-    async def send(bodies: list[dict[str, Any]]) -> None:
+    async def send(make: Callable[[], list[dict[str, Any]]]) -> None:
+        """`make()`'s chunks, each a `data:` line; made and written off the event loop while they
+        may carry the prompt's logprobs (a completion's echo: up to half a million entries)."""
         assert stream.response is not None
-        for body in bodies:
-            await stream.response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+        if chunks.echo_is_costly:
+            lines = await asyncio.to_thread(lambda: [json_bytes(body) for body in make()])
+        else:
+            lines = [json.dumps(body).encode() for body in make()]
+        for line in lines:
+            await stream.response.write(b"data: " + line + b"\n\n")
 
     try:
         async with aclosing(events):  # type: ignore[type-var]
@@ -155,27 +162,20 @@ async def write_chat_events(
                     stream.answering = True  # no keep-alive from now on
                     await stream.begin()
                     for index in range(chunks.chat.generation.n):  # each choice's opening, as vLLM's
-                        await send(chunks.opening(index))
-                        if chunks.echo_is_costly:  # built and written off the loop
-                            echo = await asyncio.to_thread(chunks.echo, index)
-                            data = await asyncio.to_thread(json_bytes, echo)
-                            assert stream.response is not None
-                            await stream.response.write(b"data: " + data + b"\n\n")
-                        elif (echo := chunks.echo(index)) is not None:
-                            await send([echo])
+                        await send(partial(chunks.opening, index))
+                        await send(partial(chunks.echo, index))
                 if isinstance(item, TokenStep):
-                    bodies = chunks.add(item)
+                    await send(partial(chunks.add, item))
                     if call is not None:  # what a cut's status (and the request metric) goes by
                         call.num_tokens = chunks.num_tokens
-                    await send(bodies)
                     continue
                 on_summary(item)
-                await send(chunks.finish(item))
+                await send(partial(chunks.finish, item))
     except ConnectionResetError:
         raise
     except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - mapped in status_of
         response, body = await stream.failed(exc, chunks.num_tokens)
-        await send(chunks.cut())  # the last tokens held back for the summary that never came
+        await send(chunks.cut)  # the last tokens held back for the summary that never came
         await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
     if stream.response is None:
         raise RuntimeError("the pipeline ended without a token")

@@ -248,9 +248,10 @@ def test_prompt_logprobs_through_the_stack(shared_stack, tiny_models):
 
 def test_a_streamed_echo_with_logprobs_joins_to_the_whole_answer(shared_stack, tiny_models):
     """A legacy completion's `echo` with `logprobs`, streamed (it was a 400), as vLLM streams it:
-    the first chunk is the prompt's text with its tokens' logprobs (the first null), then the
-    answer's tokens stream with theirs. Joined, the chunks are the whole answer's text and its
-    `logprobs` lists (tokens, offsets, values, top alternatives)."""
+    the first chunk is the prompt's text and its first step's, with the prompt's tokens' logprobs
+    (the first null) then that step's, and that step's token ids; then the answer's tokens stream
+    with theirs. Joined, the chunks are the whole answer's text and its `logprobs` lists (tokens,
+    offsets, values, top alternatives)."""
     http = openai.OpenAI(
         base_url=f"http://127.0.0.1:{shared_stack.http_port}/v1", api_key="none", max_retries=0
     )
@@ -262,12 +263,14 @@ def test_a_streamed_echo_with_logprobs_joins_to_the_whole_answer(shared_stack, t
     chunks = [c.model_dump()["choices"][0] for c in http.completions.create(**body, stream=True) if c.choices]
 
     echo = chunks[0]
-    assert echo["text"] == PROMPT and echo.get("token_ids") is None
-    assert len(echo["logprobs"]["tokens"]) == len(raw_ids)
+    first_ids = echo["token_ids"]
+    assert first_ids and first_ids == whole["token_ids"][: len(first_ids)]
+    assert echo["text"].startswith(PROMPT) and len(echo["text"]) > len(PROMPT)  # the first step's text too
+    assert len(echo["logprobs"]["tokens"]) == len(raw_ids) + len(first_ids)
     assert echo["logprobs"]["token_logprobs"][0] is None and echo["logprobs"]["top_logprobs"][0] is None
     for p in range(1, len(raw_ids)):
         assert close(echo["logprobs"]["token_logprobs"][p], float(raw_logprobs[p - 1, raw_ids[p]])), p
-    assert [t for c in chunks[1:] for t in c.get("token_ids") or []] == whole["token_ids"]
+    assert [t for c in chunks for t in c.get("token_ids") or []] == whole["token_ids"]
 
     assert "".join(c["text"] for c in chunks) == whole["text"]
     joined = {
@@ -300,10 +303,12 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(shared_stack, tiny_model
     assert len(lp["tokens"]) == len(raw_ids) and lp["token_logprobs"][0] is None
     for p in range(1, len(raw_ids)):
         assert close(lp["token_logprobs"][p], float(raw_logprobs[p - 1, raw_ids[p]])), p
-    chunks = [c.model_dump()["choices"][0] for c in http.completions.create(**body, stream=True) if c.choices]
-    assert "".join(c["text"] for c in chunks) == PROMPT
-    assert [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]] == lp["tokens"]
-    assert chunks[-1]["finish_reason"] == choice["finish_reason"]
+    # Streamed, vLLM's one chunk: the prompt alone, its logprobs and the finish reason.
+    (streamed,) = [
+        c.model_dump()["choices"][0] for c in http.completions.create(**body, stream=True) if c.choices
+    ]
+    assert (streamed["text"], streamed["finish_reason"]) == (PROMPT, choice["finish_reason"])
+    assert streamed["logprobs"]["tokens"] == lp["tokens"]
 
 
 def test_a_token_id_prompt_is_echoed_as_its_text(shared_stack, tiny_models):
@@ -328,10 +333,17 @@ def test_a_token_id_prompt_is_echoed_as_its_text(shared_stack, tiny_models):
             assert (got is None and want is None) or close(got, want)
         chunks = [
             c.model_dump()["choices"][0]
-            for c in http.completions.create(**body, prompt=raw_ids, stream=True)
+            for c in http.completions.create(
+                **body, prompt=raw_ids, stream=True, extra_body={"return_token_ids": True}
+            )
             if c.choices
         ]
-        assert chunks[0]["text"] == PROMPT and len(chunks[0]["logprobs"]["tokens"]) == len(raw_ids)
+        # the prompt's text in front of the first step's (vLLM's), its tokens' logprobs first
+        first_step = len(chunks[0].get("token_ids") or []) if max_tokens else 0
+        assert chunks[0]["text"].startswith(PROMPT) and (len(chunks[0]["text"]) > len(PROMPT)) == bool(
+            max_tokens
+        )
+        assert len(chunks[0]["logprobs"]["tokens"]) == len(raw_ids) + first_step
         assert "".join(c["text"] for c in chunks) == by_ids["text"]
         assert [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]] == (
             by_ids["logprobs"]["text_offset"]

@@ -203,8 +203,19 @@ def test_the_stack_answers_tool_calls_plain_and_streamed(tool_model, tmp_path):
         assert (choice["message"]["content"], call["function"]["name"]) == ("", "get_weather")
         assert choice["finish_reason"] == "stop"  # the grammar ended (not cut by max_tokens)
         assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Rome")
-        calls, content, finish = _streamed_calls(_stream(port, named))
+        chunks = _stream(port, {**named, "return_token_ids": True})
+        calls, content, finish = _streamed_calls(chunks)
         assert ([_named(c) for c in calls], content, finish) == ([_named(call)], "", choice["finish_reason"])
+        # One chunk a step, as vLLM's (its parsers give one DeltaMessage a step): the first step's
+        # chunk is the call's id and name with that step's arguments, and every chunk after the
+        # role's carries its step's tokens (the call's header was a chunk of its own, of no token).
+        first = next(c["delta"]["tool_calls"] for c in chunks if c["delta"].get("tool_calls"))
+        assert (
+            len(first) == 1
+            and first[0]["id"].startswith("chatcmpl-tool-")
+            and first[0]["function"]["arguments"]
+        )
+        assert all(c.get("token_ids") for c in chunks[1:])
 
         # "required": an array of calls of the tools, by vLLM's schema.
         required = _body(tool_choice="required", max_tokens=160, logit_bias=compact)

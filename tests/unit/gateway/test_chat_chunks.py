@@ -1,12 +1,13 @@
 """A streamed chat answer's and legacy completion's chunks, shaped without HTTP
 (`epd.gateway.chat_chunks.ChatChunks`, fed the events the pipeline emits): the usage each chunk
 carries, when each of n choices' finish comes (on its last token's chunk) and which carries the
-summary, an echo's text offsets, a named tool's arguments, when token ids are listed and which
+summary, a completion's echo joined to its first step's chunk, a step's deltas in one chunk, when token ids are listed and which
 steps make no chunk. The SSE bytes a real HttpApi sends for these shapes are pinned
 in test_chat_stream_bytes.py."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -22,6 +23,7 @@ from epd.stages.names import Stage
 from epd.video.types import SamplingOptions
 
 USER = {"role": "user", "content": "name a colour"}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
 
 def _chat(thinking: bool | None = None, **body) -> ChatChunks:
@@ -88,30 +90,113 @@ def test_a_choice_finishing_first_ends_at_once_and_the_last_carries_the_summary(
     assert end[0]["choices"][0]["delta"] == {"content": "blue"} and end[0]["epd"]["request_id"] == "req-1"
 
 
-def test_a_completions_echo_sets_where_the_answers_text_offsets_begin():
-    prompt = [TokenLogprob(1, "name", 0.0), TokenLogprob(2, " a", -1.0), TokenLogprob(3, " colour", -2.0)]
-    with_logprobs = _completion(echo=True, logprobs=1)
-    assert with_logprobs.opening(0) == [] and not with_logprobs.echo_is_costly  # no prompt logprobs yet
-    with_logprobs.note(PromptLogprobs(prompt))
-    assert with_logprobs.echo_is_costly
-    echo = with_logprobs.echo(0)
-    assert echo is not None and echo["choices"][0]["text"] == "name a colour"
-    assert echo["choices"][0]["logprobs"]["text_offset"] == [0, 4, 6]
-    (step,) = with_logprobs.add(TokenStep([5], " red", logprobs=[TokenLogprob(5, " red", -0.5)]))
-    assert step["choices"][0]["logprobs"]["text_offset"] == [13]  # after the prompt tokens' texts
-    plain = _completion()
-    assert plain.echo(0) is None and not plain.echo_is_costly
+def test_a_completions_echo_joins_its_first_steps_chunk_as_vllms():
+    """vLLM's completion stream puts the echoed prompt in front of each choice's first step, in
+    one chunk (it was a chunk of its own): the prompt's text then the step's, the prompt tokens'
+    logprobs then the step's, offsets from 0 by each token's text; the step's own token ids. The
+    choice's next offsets go on from that chunk's text's length (vLLM's `previous_text_lens`), not
+    from its tokens' (here a BOS token's text, "<s>", is in the prompt's tokens, not its text)."""
+    prompt = [
+        TokenLogprob(0, "<s>", float("nan")),
+        TokenLogprob(1, "name", -0.5),
+        TokenLogprob(2, " a", -1.0),
+        TokenLogprob(3, " colour", -2.0),
+    ]
+    chunks = _completion(echo=True, logprobs=1, n=2, return_token_ids=True)
+    assert chunks.opening(0) == chunks.echo(0) == [] and not chunks.echo_is_costly  # no prompt logprobs yet
+    chunks.note(PromptLogprobs(prompt))
+    assert chunks.echo_is_costly
+    (first,) = chunks.add(TokenStep([5], " red", logprobs=[TokenLogprob(5, " red", -0.5)], index=1))
+    choice = first["choices"][0]
+    assert (choice["index"], choice["text"], choice["token_ids"]) == (1, "name a colour red", [5])
+    assert choice["logprobs"]["tokens"] == ["<s>", "name", " a", " colour", " red"]
+    assert choice["logprobs"]["token_logprobs"] == [None, -0.5, -1.0, -2.0, -0.5]
+    assert choice["logprobs"]["text_offset"] == [0, 3, 7, 9, 16]
+    assert chunks.echo_is_costly  # choice 0 has its echo to carry still
+    (other,) = chunks.add(TokenStep([6], " blue", logprobs=[TokenLogprob(6, " blue", -0.25)], index=0))
+    assert other["choices"][0]["text"] == "name a colour blue" and not chunks.echo_is_costly
+    (later,) = chunks.add(TokenStep([7], "!", logprobs=[TokenLogprob(7, "!", -0.1)], index=1))
+    assert later["choices"][0]["text"] == "!" and later["choices"][0]["logprobs"]["text_offset"] == [17]
+    plain = _completion(echo=True)
+    (joined,) = plain.add(TokenStep([5], " red"))
+    assert joined["choices"][0]["text"] == "name a colour red" and joined["choices"][0]["logprobs"] is None
+    assert plain.add(TokenStep([6], "!"))[0]["choices"][0]["text"] == "!"
+    assert _completion().add(TokenStep([5], " red"))[0]["choices"][0]["text"] == " red"
+
+
+def test_a_chat_echo_stays_a_chunk_of_its_own_as_vllms():
+    """vLLM's chat stream sends the echoed last message in a chunk of its own after the role's,
+    without logprobs, unlike its completions."""
+    chat = parse_chat_request(
+        {
+            "model": "epd",
+            "messages": [USER, {"role": "assistant", "content": "The colour is"}],
+            "stream": True,
+            "echo": True,
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+        },
+        "epd",
+        SamplingOptions(),
+        GenerationConfig(),
+    )
+    chunks = ChatChunks(chat, "req-1", None, created=7)
+    (echo,) = chunks.echo(0)
+    assert (
+        echo["choices"][0]["delta"] == {"content": "The colour is"} and echo["choices"][0]["logprobs"] is None
+    )
+    assert chunks.add(TokenStep([5], " red"))[0]["choices"][0]["delta"] == {"content": " red"}
 
 
 def test_a_named_tools_arguments_stream_as_tool_call_deltas():
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
-    chunks = _chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    """vLLM's named tool choice: the first step's chunk is the call's index, id, type, name and
+    the step's arguments in one delta (they were two chunks), then each step's arguments."""
+    chunks = _chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}})
     made = chunks.add(TokenStep([5], '{"city": ')) + chunks.add(TokenStep([6], '"Paris"}', "stop"))
     made += chunks.finish(_summary('{"city": "Paris"}', [5, 6]))
-    calls = [d for c in made for d in c["choices"][0]["delta"].get("tool_calls", [])]
-    assert calls[0]["function"] == {"name": "get_weather", "arguments": ""}
-    assert "".join(d["function"]["arguments"] for d in calls) == '{"city": "Paris"}'
+    deltas = [c["choices"][0]["delta"] for c in made]
+    assert len(deltas) == 2 and [len(d["tool_calls"]) for d in deltas] == [1, 1]
+    first = deltas[0]["tool_calls"][0]
+    assert (first["index"], first["type"], first["id"].startswith("chatcmpl-tool-")) == (0, "function", True)
+    assert first["function"] == {"name": "get_weather", "arguments": '{"city": '}
+    assert deltas[1]["tool_calls"] == [{"index": 0, "function": {"arguments": '"Paris"}'}}]
     assert [c["choices"][0]["finish_reason"] for c in made][-1] == "stop"  # named: vLLM's "stop"
+
+
+def test_a_steps_content_and_calls_go_in_one_chunk_as_vllms_one_delta_a_step():
+    """vLLM's tool parsers give one DeltaMessage a step, so a step that ends the content, opens a
+    call and writes its arguments, or writes two calls, is one chunk: its content, and one
+    `tool_calls` entry per call, each call's header and arguments joined (they were a chunk
+    each). Joined, the deltas are the whole answer's calls."""
+    chunks = _chat(tools=[TOOL], return_token_ids=True)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
+    (one,) = chunks.add(TokenStep([5, 6], "Sure. " + call % "Paris"))
+    delta = one["choices"][0]["delta"]
+    assert delta["content"] == "Sure. " and one["choices"][0]["token_ids"] == [5, 6]
+    ((paris,),) = [delta["tool_calls"]]
+    assert (paris["index"], paris["type"], paris["function"]["name"]) == (0, "function", "get_weather")
+    assert json.loads(paris["function"]["arguments"]) == {"city": "Paris"}
+    made = chunks.add(TokenStep([7], "\n" + call % "Rome" + "\n" + call % "Oslo", "stop"))
+    made += chunks.finish(_summary("", [5, 6, 7]))
+    assert len(made) == 1 and made[0]["choices"][0]["finish_reason"] == "tool_calls"
+    calls = made[0]["choices"][0]["delta"]["tool_calls"]
+    assert [(c["index"], c["function"]["name"]) for c in calls] == [(1, "get_weather"), (2, "get_weather")]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Rome"}, {"city": "Oslo"}]
+    assert len({c["id"] for c in [paris, *calls]}) == 3
+
+
+def test_a_final_steps_held_back_tail_joins_its_chunk():
+    """A choice's final step and the text its parsers gave back at the end (here a `<tool_call>`
+    block cut by max_tokens before its name: content) are one chunk with the finish reason, as
+    vLLM's last step is one chunk (they were two)."""
+    chunks = _chat(tools=[TOOL])
+    made = chunks.add(TokenStep([5], "Let me")) + chunks.add(TokenStep([6], " check <tool_", "length"))
+    text = "Let me check <tool_"
+    made += chunks.finish(_summary(text, [5, 6], [ChoiceSummary(0, text, [5, 6], "length")]))
+    assert [(c["choices"][0]["delta"], c["choices"][0]["finish_reason"]) for c in made] == [
+        ({"content": "Let me"}, None),
+        ({"content": " check <tool_"}, "length"),
+    ]
 
 
 def test_the_end_of_sequence_tokens_step_is_the_finish_chunk_not_a_chunk_before_it():
@@ -199,16 +284,19 @@ def test_a_held_back_final_steps_finish_rides_on_its_parsers_tail_not_an_empty_c
     ]
 
 
-def test_an_echo_alone_lists_its_generated_tokens_id_as_the_whole_answer_does():
-    """A completion's echo with max_tokens 0 generates one token (vLLM's): the stream's chunks
-    list its id, as the whole answer's `token_ids` does, when return_token_ids asks."""
-    chunks = _completion(echo=True, max_tokens=0, return_token_ids=True)
-    echo = chunks.echo(0)
-    assert echo is not None and echo["choices"][0]["text"] == "name a colour"
-    made = [echo, *chunks.add(TokenStep([5], " red", "length"))]
-    made += chunks.finish(_summary(" red", [5]))
-    assert [c["choices"][0]["text"] for c in made] == ["name a colour", ""]
-    assert [t for c in made for t in c["choices"][0].get("token_ids", [])] == [5]
+def test_an_echo_alone_is_one_chunk_with_its_finish_and_generated_tokens_id():
+    """A completion's echo with max_tokens 0 generates one token (vLLM's): the stream is one chunk
+    a choice, the prompt alone with its logprobs and the finish reason, listing the generated
+    token's id as the whole answer's `token_ids` does (it was an echo chunk and an empty one)."""
+    chunks = _completion(echo=True, max_tokens=0, logprobs=0, return_token_ids=True)
+    chunks.note(PromptLogprobs([TokenLogprob(1, "name", float("nan")), TokenLogprob(2, " a colour", -1.0)]))
+    assert chunks.add(TokenStep([5], " red", "length", logprobs=[TokenLogprob(5, " red", -0.5)])) == []
+    assert chunks.echo_is_costly  # held back for the summary, the prompt's logprobs with it
+    (made,) = chunks.finish(_summary(" red", [5], [ChoiceSummary(0, " red", [5], "length")]))
+    assert not chunks.echo_is_costly
+    choice = made["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["token_ids"]) == ("name a colour", "length", [5])
+    assert choice["logprobs"]["tokens"] == ["name", " a colour"] and "epd" in made
     whole = text_completion_body(_summary(" red", [5]), chunks.chat)
     assert whole["choices"][0]["token_ids"] == [5] and whole["choices"][0]["text"] == "name a colour"
 

@@ -105,7 +105,7 @@ def test_streaming_echo_and_usage_options():
         stream_options={"include_usage": True, "continuous_usage_stats": True},
     )
     assert request.stream and request.echo and request.include_usage and request.continuous_usage
-    # With logprobs, the echo asks for the prompt's too, streamed in the echo's chunk (it was a 400).
+    # With logprobs, the echo asks for the prompt's too, streamed in each choice's first chunk (it was a 400).
     request = parse(prompt="a", stream=True, echo=True, logprobs=2)
     assert (request.generation.logprobs, request.generation.prompt_logprobs) == (2, 2)
 

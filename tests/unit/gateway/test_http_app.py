@@ -672,9 +672,9 @@ def test_streamed_choices_part_their_own_tool_calls_with_their_own_finish_reason
     content = ["".join(c["delta"].get("content") or "" for c in cs) for cs in (first, second)]
     calls = [[d for c in cs for d in c["delta"].get("tool_calls", [])] for cs in (first, second)]
     assert (reasoning, content) == (["hm", "ok"], ["", "It is sunny."])
-    assert calls[1] == [] and [d["index"] for d in calls[0]] == [0, 0]
-    assert calls[0][0]["function"] == {"name": "get_weather", "arguments": ""}
-    assert json.loads(calls[0][1]["function"]["arguments"]) == {"city": "Paris"}
+    assert calls[1] == [] and {d["index"] for d in calls[0]} == {0}
+    assert calls[0][0]["function"]["name"] == "get_weather"
+    assert json.loads("".join(d["function"]["arguments"] for d in calls[0])) == {"city": "Paris"}
     finishes = [[c["finish_reason"] for c in cs if c["finish_reason"]] for cs in (first, second)]
     assert finishes == [["tool_calls"], ["length"]]
 

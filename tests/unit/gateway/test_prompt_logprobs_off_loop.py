@@ -235,7 +235,8 @@ def test_an_http_answer_with_prompt_logprobs_is_built_and_written_off_the_event_
 
 
 def test_a_streamed_echo_with_logprobs_is_built_and_written_off_the_event_loop(monkeypatch):
-    """A streamed legacy completion with echo and logprobs sends the prompt's logprobs in its echo chunk."""
+    """A streamed legacy completion with echo and logprobs sends the prompt's logprobs in its first
+    step's chunk (vLLM's), made and written off the loop though it waits for the summary."""
     from epd.gateway import sse_stream
 
     written = _Threads()
@@ -252,5 +253,6 @@ def test_a_streamed_echo_with_logprobs_is_built_and_written_off_the_event_loop(m
     assert status == 200, data
     chunks = [json.loads(line[6:]) for line in data.decode().splitlines() if line.startswith("data: {")]
     echo = chunks[0]["choices"][0]
-    assert echo["text"] == "name a colour" and len(echo["logprobs"]["tokens"]) > 1
+    assert echo["text"] == "name a coloura" and echo["finish_reason"] is not None  # the prompt's, then "a"
+    assert len(echo["logprobs"]["tokens"]) > 2 and echo["logprobs"]["tokens"][-1] == "a"
     assert written.idents and loop_thread not in written.idents

@@ -488,7 +488,7 @@ def test_streamed_calls_past_the_first_are_dropped_without_parallel_tool_calls()
     ],
 )
 def test_an_echo_goes_in_front_of_the_content_not_into_the_calls(choice, answer, want_calls):
-    """As vLLM's (and as the stream sends it, an echo's chunk of its own): the calls are read from
+    """As vLLM's (and as the stream sends it, chat's echo in a chunk of its own): the calls are read from
     the generated text alone, the echoed message's text is the content's start. A named function's
     arguments began with the echo, and "required"'s array, the echo before it, was no call at all."""
     echoed = "The weather:"
