@@ -57,28 +57,29 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.serve import (  # noqa: E402
-    DEFAULT_QUESTIONS,
-    OpenAITarget,
-    openai_bodies,
-    parse_levels,
-    run_openai,
-    summarize,
-    sweep_table,
-    write_plot,
+from epd.bench.openai_load import OpenAITarget, openai_bodies, run_openai  # noqa: E402
+from epd.bench.process_tree import (  # noqa: E402
+    MiB,
+    PeakPss,
+    cpu_by_role,
+    tree_cpu_s,
+    tree_on_tcmalloc,
+    tree_pss,
 )
+from epd.bench.serve import parse_levels  # noqa: E402
+from epd.bench.serve_report import sweep_table, write_plot  # noqa: E402
+from epd.bench.serve_requests import DEFAULT_QUESTIONS, summarize  # noqa: E402
+from epd.bench.vs_transformers_report import cpu_table, memory_table, side_by_side  # noqa: E402
 
 SERVERS = ("epd", "epd-t1", "epd-colocate", "transformers")
 """epd: the four-process stack (`epd serve`, --epd-threads); epd-t1: the same with one torch thread
 per model call; epd-colocate: one process (`epd serve --colocate`, --epd-threads)."""
-MiB = 1 << 20
 
 
 def log(message: str) -> None:
@@ -193,115 +194,6 @@ def torchcodec_env(work: Path, clip: Path) -> dict[str, str]:
 
 # ---------------------------------------------------------------------------------------------
 # servers
-
-
-def tree_pss(pid: int) -> tuple[int, int]:
-    """(PSS bytes summed over the process and its descendants, number of processes)."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0, 0
-    total = count = 0
-    for p in procs:
-        try:
-            total += p.memory_full_info().pss
-            count += 1
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return total, count
-
-
-def tree_on_tcmalloc(pid: int) -> int:
-    """How many of the process and its descendants map tcmalloc (epd serve's --allocator)."""
-    import psutil
-
-    count = 0
-    try:
-        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    for p in procs:
-        try:
-            count += any("libtcmalloc" in m.path for m in p.memory_maps())
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return count
-
-
-def tree_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) used so far by the process and each descendant, by role: the
-    epd service a process runs (`serve encoder`, ... from its command line) or the first words of
-    its command line. Differences of two of these give where a level's core-seconds went."""
-    import psutil
-
-    out: dict[str, float] = {}
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return out
-    for p in procs:
-        try:
-            words = " ".join(p.cmdline()).split()  # a forked service's title is one string (setproctitle)
-            t = p.cpu_times()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        role = next(
-            (
-                f"epd {w}"
-                for w, prev in zip(words[1:], words)
-                if prev == "serve" and w in ("encoder", "prefill", "decode", "gateway")
-            ),
-            "",
-        )
-        if not role:
-            role = (
-                "epd launcher"
-                if "serve" in words and "epd.cli.main" in " ".join(words)
-                else (
-                    "transformers serve"
-                    if "transformers_serve_launcher" in " ".join(words)
-                    else Path(words[0]).name
-                    if words
-                    else "?"
-                )
-            )
-        out[f"{role} ({p.pid})"] = t.user + t.system
-    return out
-
-
-def cpu_by_role(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Core-seconds per role between two `tree_cpu_s` snapshots (processes summed by role)."""
-    spent: dict[str, float] = {}
-    for key, t in after.items():
-        role = key.rsplit(" (", 1)[0]
-        spent[role] = spent.get(role, 0.0) + t - before.get(key, 0.0)
-    return {role: round(t, 2) for role, t in sorted(spent.items(), key=lambda x: -x[1]) if t >= 0.01}
-
-
-class PeakPss:
-    """Samples tree_pss(pid) every `interval_s` in a thread; .peak is the largest seen."""
-
-    def __init__(self, pid: int, interval_s: float = 1.0):
-        self.pid, self.interval_s, self.peak = pid, interval_s, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, tree_pss(self.pid)[0])
-            self._stop.wait(self.interval_s)
-
-    def __enter__(self) -> PeakPss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def server_command(name: str, model: Path, args) -> tuple[list[str], dict[str, str], str]:
@@ -470,79 +362,6 @@ def run_server(name: str, model: Path, clips: list[Path], args) -> dict:
     finally:
         stop(proc)
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# report
-
-
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if b > 0 else "-"
-
-
-def side_by_side(runs: dict[str, dict]) -> list[str]:
-    """Each epd variant against transformers serve, level by level (ratio = epd / transformers)."""
-    t = runs["transformers"]
-    rows = [
-        "| server | in flight | epd req/s | transformers req/s | ratio | epd out tok/s | transformers out tok/s | "
-        "ratio | epd TTFT p50 ms | transformers TTFT p50 ms | ratio | epd TPOT p50 ms | transformers TPOT p50 ms | "
-        "ratio | errors epd / transformers |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, e in runs.items():
-        if name == "transformers":
-            continue
-        for le, lt in zip(e["sweep"], t["sweep"]):
-            a, b = le["summary"], lt["summary"]
-            rows.append(
-                f"| {name} | {le['concurrency'] or 'all'} | {a['request_throughput_rps']:.2f} | "
-                f"{b['request_throughput_rps']:.2f} | "
-                f"{_ratio(a['request_throughput_rps'], b['request_throughput_rps'])} | "
-                f"{a['output_token_throughput_tps']:.1f} | {b['output_token_throughput_tps']:.1f} | "
-                f"{_ratio(a['output_token_throughput_tps'], b['output_token_throughput_tps'])} | "
-                f"{a['ttft_ms']['p50']:.0f} | {b['ttft_ms']['p50']:.0f} | "
-                f"{_ratio(a['ttft_ms']['p50'], b['ttft_ms']['p50'])} | "
-                f"{a['tpot_ms']['p50']:.1f} | {b['tpot_ms']['p50']:.1f} | "
-                f"{_ratio(a['tpot_ms']['p50'], b['tpot_ms']['p50'])} | "
-                f"{a['num_failed']} / {b['num_failed']} |"
-            )
-    return rows
-
-
-def memory_table(runs: dict[str, dict]) -> list[str]:
-    rows = [
-        "| server | processes (on tcmalloc) | PSS idle MiB | PSS peak during load MiB | PSS after load MiB | "
-        "start-up s |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, r in runs.items():
-        rows.append(
-            f"| {name} | {r['num_processes']} ({r.get('num_on_tcmalloc', 0)}) | {r['pss_idle'] / MiB:.0f} | "
-            f"{r['pss_peak'] / MiB:.0f} | {r['pss_after'] / MiB:.0f} | {r['startup_s']:.1f} |"
-        )
-    t = runs.get("transformers")
-    for name, e in runs.items():
-        if t is None or name == "transformers":
-            continue
-        rows.append(
-            f"| ratio {name} / transformers | | {_ratio(e['pss_idle'], t['pss_idle'])} | "
-            f"{_ratio(e['pss_peak'], t['pss_peak'])} | {_ratio(e['pss_after'], t['pss_after'])} | "
-            f"{_ratio(e['startup_s'], t['startup_s'])} |"
-        )
-    return rows
-
-
-def cpu_table(runs: dict[str, dict]) -> list[str]:
-    """Where each level's core-seconds went: per server and role, CPU seconds per request, and how
-    many cores were busy on average (all roles' CPU time / the level's wall time)."""
-    rows = ["| server | in flight | cores busy | CPU ms per request, by process |", "|---|---|---|---|"]
-    for name, r in runs.items():
-        for lv in r["sweep"]:
-            cpu, n = lv.get("cpu_s") or {}, max(lv["summary"]["num_requests"], 1)
-            busy = sum(cpu.values()) / lv["duration_s"] if lv.get("duration_s") else 0.0
-            parts = ", ".join(f"{role} {t / n * 1e3:.0f}" for role, t in cpu.items())
-            rows.append(f"| {name} | {lv['concurrency'] or 'all'} | {busy:.2f} | {parts} |")
-    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

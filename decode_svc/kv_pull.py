@@ -32,7 +32,7 @@ from epd.decode_svc.kv_sources import KvSource, parse_allow_list, parse_source
 from epd.model_runtime.kv_cache import KvCache
 from epd.stages.contracts import PrefillHandle
 from epd.stages.errors import InvalidRequest, KvSourceLost
-from epd.transport import tracing
+from epd.stages.request_id import current_request_id
 from epd.transport.channel_cache import ChannelCache
 from epd.transport.errors import replica_lost
 from epd.transport.server import traced_channel
@@ -119,7 +119,7 @@ class KvPuller:
 
     async def confirm(self, address: str, handle: str) -> None:
         """Tell prefill this decoder no longer needs its copy of `handle`, which it drops."""
-        request_id = tracing.current_request_id()
+        request_id = current_request_id()
         try:
             async with self._stub(address) as stub:
                 answer = await stub.ReleaseKv(

@@ -1,5 +1,5 @@
 """The unsplit Hugging Face reference: processor + `model.generate(do_sample=False)` (its model and
-inputs from `epd.model_runtime.hf_reference`, which bench/serve.py's hf baseline uses too)."""
+inputs from `epd.model_runtime.hf_reference`, which bench/serve_baselines.py's hf baseline uses too)."""
 
 from __future__ import annotations
 

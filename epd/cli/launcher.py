@@ -63,7 +63,7 @@ prefill (`CONFIRM_WAIT_S`, 2 s)."""
 _GATEWAY_AFTER_DRAIN_S = 7.0
 """The longest the stack's gateway spends after its drain: the statuses of the calls it cut
 (`CUT_MARGIN_S`, 2 s), then the KV releases still running (`RELEASES_WAIT_S`, 5 s). Both written
-out, as their modules load torch, which the launcher does not; tests/unit/cli/test_serve.py adds
+out, as their modules load torch, which the launcher does not; tests/unit/cli/test_launcher.py adds
 the code's bounds up (and tests/unit/deploy gives the manifests as much)."""
 _EXIT_MARGIN_S = 5.0
 # The gateway first: its requests in flight still need the stages to finish.

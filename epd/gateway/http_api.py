@@ -120,6 +120,7 @@ from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MediaInput, TokenStep
 from epd.stages.errors import InvalidRequest, ServerMisconfigured
 from epd.stages.raw_prompt import check_raw_prompt
+from epd.stages.request_id import current_request_id
 from epd.transport import tracing
 from epd.transport.auth import any_key_matches, bearer_token, request_cache_salt
 from epd.transport.internal_secrets import internal_secrets
@@ -324,16 +325,14 @@ class HttpApi:
             # whatever the route (/health, /metrics, the web demo's decode, a chat not begun):
             # a 503 to retry, counted as one. It was counted as a client gone (499) and its
             # connection dropped.
-            return exception_response(
-                self.in_flight.shutdown_error(0, tracing.current_request_id() or request_id)
-            )
+            return exception_response(self.in_flight.shutdown_error(0, current_request_id() or request_id))
         if self.in_flight.cutting:  # a stream whose 200 is out: only its connection can end
             self.metrics.http_responses.labels(route=route, code="200").inc()
             return None
         # Its client went away (aiohttp cancels the handler, `handler_cancellation`): nobody
         # reads an answer, the cancel goes on; one INFO line and a 499 in the metrics, as
         # for a client found gone by a read or a write (`client_gone_response`).
-        log.info("client of %s went away", tracing.current_request_id() or request_id)
+        log.info("client of %s went away", current_request_id() or request_id)
         self.metrics.http_responses.labels(route=route, code="499").inc()
         return None
 
@@ -350,7 +349,7 @@ class HttpApi:
         trace span's end, its connection closed when its body was left unread, its metric."""
         if not response.prepared:  # a streamed answer has it already (`SseStream.begin`)
             # The handler may have adopted the id its body names (`ChatRequest.request_id`).
-            response.headers[tracing.REQUEST_ID_KEY] = tracing.current_request_id() or request_id
+            response.headers[tracing.REQUEST_ID_KEY] = current_request_id() or request_id
         if request.method == "POST":
             # A streamed answer that failed after its 200 says so here too, with the error's status.
             stream_error = f" stream_error={request[STREAM_ERROR_KEY]}" if STREAM_ERROR_KEY in request else ""
@@ -475,7 +474,7 @@ class HttpApi:
         except ConnectionResetError:
             # Its client closed the connection while sending its body: nothing to answer, and not
             # the server's fault (it was an ERROR traceback and a 500 for every such client).
-            return client_gone_response(tracing.current_request_id(), "before its body arrived")
+            return client_gone_response(current_request_id(), "before its body arrived")
         except web.HTTPException:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped in status_of
@@ -509,7 +508,7 @@ class HttpApi:
             # vocabulary are refused first as the prompt's, not as Detokenize's 'tokens'.
             check_raw_prompt(chat.raw_prompt, vocab_size=self.pipeline.vocab_size)
             chat.prompt_ids_text = await self.pipeline.detokenize(
-                chat.raw_prompt.token_ids, tracing.current_request_id()
+                chat.raw_prompt.token_ids, current_request_id()
             )
         return chat
 

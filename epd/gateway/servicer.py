@@ -22,6 +22,7 @@ from epd.stages.errors import DeadlineExceeded, InvalidRequest
 from epd.stages.messages import Message, question_messages
 from epd.stages.names import Stage, timings_with_legacy_names
 from epd.stages.raw_prompt import RawPrompt
+from epd.stages.request_id import current_request_id
 from epd.transport import convert, tracing
 from epd.transport.aio_cancel import within
 from epd.transport.auth import bearer_token, request_cache_salt
@@ -140,7 +141,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             except asyncio.CancelledError:
                 if not call.was_cut:
                     raise  # its client went away
-                raise self.in_flight.shutdown_error(0, tracing.current_request_id()) from None
+                raise self.in_flight.shutdown_error(0, current_request_id()) from None
 
     async def _ask(self, request_iterator, context, call: Call):
         started = time.perf_counter()

@@ -36,8 +36,8 @@ from epd.gateway.json_fields import TOKEN_ID, boolean_field, check_collection, c
 from epd.gateway.request_fields import requested_model
 from epd.gateway.tool_request import checked_tools
 from epd.stages.errors import InvalidRequest
+from epd.stages.request_id import current_request_id
 from epd.stages.tokenize import MAX_DETOKENIZE_TOKENS, TokenizeInput
-from epd.transport import tracing
 
 if TYPE_CHECKING:
     from epd.gateway.http_api import HttpApi
@@ -96,7 +96,7 @@ def add_tokenize_routes(app: web.Application, api: HttpApi) -> None:
             body = await read_json_body(request, api.max_body_bytes, config.body_timeout_s)
             return web.json_response(await respond(body))
         except ConnectionResetError:  # its client went while it sent its body: nobody to answer
-            return client_gone_response(tracing.current_request_id(), "before its body arrived")
+            return client_gone_response(current_request_id(), "before its body arrived")
         except web.HTTPException:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped in status_of
@@ -105,7 +105,7 @@ def add_tokenize_routes(app: web.Application, api: HttpApi) -> None:
     # The gRPC API's Tokenize / Detokenize make the same pipeline calls (epd/gateway/servicer.py).
     async def tokenize(body: Any) -> dict[str, Any]:
         out = await pipeline.tokenize(
-            parse_tokenize_request(body, config.http.served_model_name), tracing.current_request_id()
+            parse_tokenize_request(body, config.http.served_model_name), current_request_id()
         )
         return {
             "count": len(out.token_ids),
@@ -116,7 +116,7 @@ def add_tokenize_routes(app: web.Application, api: HttpApi) -> None:
 
     async def detokenize(body: Any) -> dict[str, Any]:
         token_ids = parse_detokenize_request(body, config.http.served_model_name)
-        return {"prompt": await pipeline.detokenize(token_ids, tracing.current_request_id())}
+        return {"prompt": await pipeline.detokenize(token_ids, current_request_id())}
 
     app.router.add_post("/tokenize", lambda request: answer(request, tokenize), expect_handler=defer_continue)
     app.router.add_post(

@@ -1,7 +1,8 @@
 """The unsplit Hugging Face pipeline as its users call it: transformers' whole model, its processor,
 and the processor's own inputs for a question about decoded frames. It is the reference the split
-adapters must equal (tests/reference.py) and the baseline bench/serve.py times (`--baseline hf`):
-one definition, so that the bench measures the pipeline the tests compare against."""
+adapters must equal (tests/reference.py) and `epd bench serve`'s hf baseline times
+(bench/serve_baselines.py): one definition, so that the bench measures the pipeline the tests
+compare against."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ from typing import Any
 import grpc
 
 # The id's context variable lives below the transport, so that engines can set it for shared work;
-# `tracing.current_request_id` and `tracing.set_request_id` stay the transport's names for it.
+# callers read and set it there, not through this module (pyproject's mypy section: no re-exports).
 from epd.stages.request_id import current_request_id, request_id_from_client, set_request_id
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,8 @@ MAX_NEW_TOKENS = 6
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava_onevision", "glm4v", "internvl"])
 def test_the_hf_baseline_generates_the_references_tokens(tiny_models, media_files, tmp_path, family):
-    from epd.bench.serve import build_parser, run_hf_baseline
+    from epd.bench.serve import build_parser
+    from epd.bench.serve_baselines import run_hf_baseline
 
     model = tiny_models.get(family) or build_checkpoint(tmp_path / family, TinyVLMSpec(family=family))
     clip = media_files["mp4"]

@@ -131,7 +131,8 @@ def test_training_accuracy_equals_served_greedy_answers(test_clips, pipeline_ans
     is right: training inputs are prepared as the serving path prepares them."""
     from epd.model_runtime.config import ModelConfig
     from epd.model_runtime.qwen2_vl import Qwen2VLAdapter
-    from epd.train.train_default_model import evaluate, load_split
+    from epd.train.accuracy import evaluate
+    from epd.train.prepare import load_split
 
     adapter = Qwen2VLAdapter(str(SHIPPED), ModelConfig(), {"vision", "language"})
     examples, media = load_split(test_clips, "test", adapter, progress=False)

@@ -9,6 +9,7 @@ import asyncio
 
 from epd.gateway.embedded import build_embedded_pipeline
 from epd.model_runtime.config import ModelConfig
+from epd.stages.request_id import current_request_id
 from epd.transport import tracing
 from tests.embedded import ask_summary
 from tests.log_records import log_records
@@ -20,7 +21,7 @@ def test_each_embedded_request_logs_under_an_id_of_its_own(tiny_models, media_fi
     async def two_questions():
         first = await ask_summary(pipeline, media_files["mp4"], "what moves?", 2, 2)
         second = await ask_summary(pipeline, media_files["mp4_b"], "what moves?", 2, 2)
-        return first, second, tracing.current_request_id()
+        return first, second, current_request_id()
 
     with build_embedded_pipeline(ModelConfig(model=str(tiny_models["qwen2_vl"]))) as pipeline:
         with log_records("epd.encoder_svc.engine") as records:

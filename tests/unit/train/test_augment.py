@@ -84,7 +84,8 @@ def test_mirrored_direction_examples_equal_examples_prepared_with_the_other_answ
     from epd.model_runtime.config import ModelConfig
     from epd.model_runtime.qwen2_vl import Qwen2VLAdapter
     from epd.model_runtime.tiny_model import build_model, build_processor
-    from epd.train.train_default_model import TrainConfig, model_spec, save_model
+    from epd.train.config import TrainConfig
+    from epd.train.model import model_spec, save_model
 
     assert [mirror_answer(a) for a in ("left", "right", "up", "red", "yes")] == [
         "right",

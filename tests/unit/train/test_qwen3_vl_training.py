@@ -9,13 +9,14 @@ import torch
 
 
 def _config(**size):
-    from epd.train.train_default_model import ModelSize, TrainConfig
+    from epd.train.config import ModelSize, TrainConfig
 
     return TrainConfig(family="qwen3_vl", size=ModelSize(**size))
 
 
 def test_deepstack_uses_the_tower_layers_before_the_last_one_per_language_layer():
-    from epd.train.train_default_model import TrainConfig, deepstack_layers, model_spec
+    from epd.train.config import TrainConfig
+    from epd.train.model import deepstack_layers, model_spec
 
     assert deepstack_layers(_config()) == (1, 2)  # the default sizes: vision 4 blocks, text 2 layers
     assert deepstack_layers(_config(vision_depth=2)) == (0,)
@@ -32,7 +33,8 @@ def prepared(tmp_path_factory):
     split of 2 clips + 1 still prepared through its serving adapter."""
     from epd.model_runtime.tiny_model import build_model, build_processor
     from epd.synth.dataset import DatasetConfig, build_dataset
-    from epd.train.train_default_model import load_split, model_spec, save_model, serving_adapter
+    from epd.train.model import model_spec, save_model, serving_adapter
+    from epd.train.prepare import load_split
 
     root = tmp_path_factory.mktemp("train_q3")
     build_dataset(root / "data", DatasetConfig(num_videos={"train": 2}, image_ratio=0.5), progress=False)
@@ -62,7 +64,7 @@ def test_inputs_come_from_the_qwen3_vl_adapter_with_timestamps(prepared):
 
 
 def test_shared_vision_inputs_carry_deepstack_and_equal_the_model_forward(prepared):
-    from epd.train.train_default_model import collate, shared_vision_inputs
+    from epd.train.batches import collate, shared_vision_inputs
 
     _, model, examples, media = prepared
     model.eval()

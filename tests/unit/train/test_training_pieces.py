@@ -13,7 +13,8 @@ def train_root(tmp_path_factory):
     image under data/."""
     from epd.model_runtime.tiny_model import build_model, build_processor
     from epd.synth.dataset import DatasetConfig, build_dataset
-    from epd.train.train_default_model import ModelSize, TrainConfig, model_spec, save_model
+    from epd.train.config import ModelSize, TrainConfig
+    from epd.train.model import model_spec, save_model
 
     root = tmp_path_factory.mktemp("train")
     build_dataset(root / "data", DatasetConfig(num_videos={"train": 2}, image_ratio=0.5), progress=False)
@@ -33,7 +34,7 @@ def prepared(train_root):
     """The train split prepared by the trainer through the serving adapter."""
     from epd.model_runtime.config import ModelConfig
     from epd.model_runtime.qwen2_vl import Qwen2VLAdapter
-    from epd.train.train_default_model import load_split
+    from epd.train.prepare import load_split
 
     adapter = Qwen2VLAdapter(str(train_root / "model"), ModelConfig(), {"vision", "language"})
     examples, media = load_split(train_root / "data", "train", adapter, progress=False)
@@ -67,7 +68,7 @@ def test_media_are_prepared_as_the_encoder_service_does(prepared):
 
 
 def test_collate_pads_right_and_orders_visual_inputs_like_the_batch(prepared):
-    from epd.train.train_default_model import collate
+    from epd.train.batches import collate
 
     adapter, examples, media = prepared
     image_ex = next(e for e in examples if media[e.media_index].modality == "image")
@@ -89,7 +90,7 @@ def test_collate_pads_right_and_orders_visual_inputs_like_the_batch(prepared):
 
 def test_one_step_lowers_the_loss_on_its_batch(prepared):
     """The model, batch and labels fit together: a few AdamW steps on one batch reduce its loss."""
-    from epd.train.train_default_model import collate
+    from epd.train.batches import collate
 
     adapter, examples, media = prepared
     model = adapter.model
@@ -110,7 +111,8 @@ def test_one_step_lowers_the_loss_on_its_batch(prepared):
 
 
 def test_learning_rate_warms_up_then_decays_to_the_floor():
-    from epd.train.train_default_model import TrainConfig, lr_at
+    from epd.train.config import TrainConfig
+    from epd.train.trainer import lr_at
 
     c = TrainConfig(steps=1000, warmup_steps=100, lr=1e-3, min_lr_ratio=0.1)
     assert lr_at(0, c) == pytest.approx(1e-5)
@@ -123,7 +125,8 @@ def test_learning_rate_warms_up_then_decays_to_the_floor():
 
 def test_phase_two_groups_scale_only_the_vision_tower_and_aux_head(prepared):
     from epd.train.aux_targets import AuxHead
-    from epd.train.train_default_model import TrainConfig, _param_groups
+    from epd.train.config import TrainConfig
+    from epd.train.trainer import _param_groups
 
     model = prepared[0].model
     head = AuxHead(model.config.text_config.hidden_size)
@@ -183,7 +186,7 @@ def test_line_plot_draws_each_series_in_its_colour(tmp_path):
 def test_shared_vision_inputs_equal_the_per_question_forward(prepared):
     """Running the tower once per clip for all its questions gives the model's own per-question
     forward (the path generation and serving take), to float rounding."""
-    from epd.train.train_default_model import collate, shared_vision_inputs
+    from epd.train.batches import collate, shared_vision_inputs
 
     adapter, examples, media = prepared
     model = adapter.model
@@ -194,7 +197,7 @@ def test_shared_vision_inputs_equal_the_per_question_forward(prepared):
     assert torch.allclose(full.logits, shared.logits, atol=1e-5)
     assert full.loss.item() == pytest.approx(shared.loss.item(), abs=1e-6)
     # A frozen tower's outputs, computed once per file, give the same inputs.
-    from epd.train.train_default_model import _tower_outputs
+    from epd.train.trainer import _tower_outputs
 
     with torch.no_grad():
         frozen = model(**shared_vision_inputs(model, batch, media, 0, _tower_outputs(model, media, 2))[0])
@@ -211,7 +214,7 @@ def test_shared_vision_inputs_equal_the_per_question_forward(prepared):
 def test_compact_parallel_preparation_equals_the_plain_one(prepared, train_root):
     """uint8 patches prepared in 2 spawned processes give the same examples and float32 patches
     as one process keeping float32."""
-    from epd.train.train_default_model import load_split
+    from epd.train.prepare import load_split
 
     adapter, examples, media = prepared
     data_dir, model_dir = train_root / "data", train_root / "model"

@@ -13,6 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from epd.stages.request_id import current_request_id
 from epd.stages.server_config import ServerConfig
 from epd.transport import tracing
 from epd.transport.server import create_server, traced_channel
@@ -25,17 +26,17 @@ def _echo_server(seen: list[str], downstream: list[str] | None = None):
     With `downstream` ([address]), Relay calls Echo there through a traced channel."""
 
     async def echo(request: bytes, context) -> bytes:
-        seen.append(tracing.current_request_id())
+        seen.append(current_request_id())
         logging.getLogger("epd.test").info("echo handled")
         return request
 
     async def stream(request: bytes, context):
-        seen.append(tracing.current_request_id())
+        seen.append(current_request_id())
         for i in range(3):
             yield bytes([i])
 
     async def fail(request: bytes, context) -> bytes:
-        seen.append(tracing.current_request_id())
+        seen.append(current_request_id())
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the video is not a video")
 
     async def relay(request: bytes, context) -> bytes:

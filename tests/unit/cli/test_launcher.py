@@ -1,0 +1,212 @@
+"""`epd serve`'s launcher (epd/cli/launcher.py): how long it waits for a service it stops, no torch
+before it spawns the services, its supervision of the replicas (crash loops given up, a model that
+cannot load stopping the stack) and its checks before anything starts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import grpc
+import pytest
+
+from epd.cli.launcher import serve_stack
+from epd.cli.parsers.root import build_parser
+from epd.cli.process_exit import EXIT_MODEL
+from epd.cli.stack_commands import check_max_model_len
+from epd.resources import demo_model_dir
+from tests.stack import ROOT, child_env
+
+
+@pytest.mark.parametrize("close_timeout_s", [0.0, 2.0, 30.0, 120.0])
+def test_the_launcher_waits_for_what_a_service_closes_after_its_drain(close_timeout_s):
+    """The launcher SIGKILLs a service `stop_wait_s(--grace-period, --close-timeout-s)` after its
+    SIGTERM: that must cover every service's stop, added up from the code's bounds
+    (`_BEFORE_CLOSE_S` and `_GATEWAY_AFTER_DRAIN_S` are written out: the bounds' modules load
+    torch; 5 s in all, before, cut a stage's 30 s close deadline short)."""
+    from epd.cli import launcher
+    from tests.unit.deploy.epd_commands import stop_bound_s
+
+    for role in ("gateway", "encoder", "prefill", "decode"):
+        assert launcher.stop_wait_s(30.0, close_timeout_s) >= stop_bound_s(role, 30.0, close_timeout_s), role
+
+
+def test_the_launcher_imports_no_torch():
+    """Everything `epd serve` does before it spawns the services, in a fresh interpreter: parse,
+    find the shipped default model, check it, build the children's command lines."""
+    code = """
+import sys
+from epd.cli import serve
+from epd.cli.parsers.root import build_parser
+from epd.cli.stack_commands import stack_commands
+from epd.model_runtime.loader import check_model_dir, resolve_model_path
+args = build_parser().parse_args(["serve"])
+args.model = resolve_model_path(args.model)
+check_model_dir(args.model)
+stack_commands(args)
+print(args.model, sorted(m for m in ("torch", "transformers") if m in sys.modules))
+"""
+    env = {k: v for k, v in child_env().items() if k not in ("EPD_MODEL", "EPD_DEFAULT_MODEL")}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(demo_model_dir()), "[]"]
+
+
+class _Process:
+    """A child as the launcher sees it (`poll`, `pid`, `kill`, ...), that exits with `code` after
+    being polled `polls` times: the supervision loop's processes, without starting any."""
+
+    pids = iter(range(1000, 2000))
+
+    def __init__(self, code: int | None = None, polls: int = 0) -> None:
+        self.pid, self._code, self._polls, self.returncode = next(self.pids), code, polls, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._code is not None:
+            self._polls -= 1
+            if self._polls < 0:
+                self.returncode = self._code
+        return self.returncode
+
+    def kill(self) -> None:
+        self.returncode = -9
+
+    def send_signal(self, signum: int) -> None:
+        self.returncode = -signum
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        return self.returncode
+
+
+@pytest.fixture
+def health_servers():
+    """Real grpc.health servers answering SERVING on free loopback ports: what the supervisor asks."""
+    from concurrent import futures
+
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    servers = []
+    pools = []
+
+    def serve() -> int:
+        pools.append(futures.ThreadPoolExecutor(max_workers=2))
+        server = grpc.server(pools[-1])
+        servicer = health.HealthServicer()
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return port
+
+    yield serve
+    for server in servers:
+        server.stop(None)
+    for pool in pools:  # the server's stop leaves its pool's threads to their owner
+        pool.shutdown()
+
+
+@pytest.fixture
+def launcher_signals():
+    import signal
+
+    from epd.cli.launcher import _Signals
+
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    signals = _Signals()
+    # A supervisor that never decides is stopped as Ctrl-C would (and the test then fails on EXIT_OK).
+    timer = threading.Timer(30.0, signals.stop.set)
+    timer.start()
+    yield signals
+    timer.cancel()
+    signal.signal(signal.SIGINT, handlers[0])
+    signal.signal(signal.SIGTERM, handlers[1])
+
+
+def _slots(serve, names: list[str], policy):
+    import time
+
+    from epd.cli.launcher import _Slot
+    from epd.cli.supervisor import Replica
+
+    return [
+        _Slot(name, name.partition("[")[0], serve(), [], Replica(name, policy, time.monotonic()))
+        for name in names
+    ]
+
+
+def test_crash_looping_replicas_are_given_up_and_the_stack_stops_with_its_last_one(
+    health_servers, launcher_signals, capsys
+):
+    from epd.cli.launcher import _supervise
+    from epd.cli.process_exit import EXIT_FAILED
+    from epd.cli.supervisor import RestartPolicy, State
+
+    policy = RestartPolicy(backoff_initial_s=0.01, backoff_max_s=0.01, crash_loop_exits=2)
+    slots = _slots(health_servers, ["gateway", "encoder[0]", "encoder[1]"], policy)
+    started: list[str] = []
+
+    def start(slot):
+        started.append(slot.name)
+        # The gateway runs; each encoder process dies (code 1) soon after it starts, encoder[0]'s later.
+        return (
+            _Process() if slot.role == "gateway" else _Process(1, polls=2 if slot.name == "encoder[1]" else 7)
+        )
+
+    for slot in slots:
+        slot.proc = start(slot)
+    assert _supervise(slots, start, launcher_signals, policy, ready_timeout_s=30) == EXIT_FAILED
+    err = capsys.readouterr().err.splitlines()
+    exits = [line.split(") ", 1)[1] for line in err if line.startswith("epd: encoder[1] (pid ")]
+    assert exits == [
+        "exited with code 1; restarting in 0.01 s",
+        "exited with code 1; crash-looping (2 exits in 60 s); giving up on it",
+    ], err
+    assert "epd: encoder[1] restarted (pid " in "\n".join(err)
+    assert err[-1] == "epd: no encoder left; stopping the stack", err
+    assert [s.replica.state for s in slots] == [State.SERVING, State.GIVEN_UP, State.GIVEN_UP]
+    assert started.count("encoder[0]") == started.count("encoder[1]") == 2 and started.count("gateway") == 1
+
+
+@pytest.mark.parametrize("code", [3, 2])  # EXIT_MODEL, EXIT_USAGE: a restart would fail the same way
+def test_a_replica_that_cannot_load_its_model_stops_the_stack_without_a_restart(
+    health_servers, launcher_signals, code
+):
+    from epd.cli.launcher import _supervise
+    from epd.cli.supervisor import RestartPolicy
+
+    policy = RestartPolicy(backoff_initial_s=0.01)
+    slots = _slots(health_servers, ["gateway", "decode[0]"], policy)
+    started: list[str] = []
+
+    def start(slot):
+        started.append(slot.name)
+        return _Process() if slot.role == "gateway" else _Process(code, polls=3)
+
+    for slot in slots:
+        slot.proc = start(slot)
+    assert _supervise(slots, start, launcher_signals, policy, ready_timeout_s=30) == code
+    assert started == ["gateway", "decode[0]"]
+
+
+def test_a_max_model_len_above_the_checkpoints_context_stops_the_stack_before_anything_starts(
+    tiny_models, capsys
+):
+    """Every prefill replica would refuse it once its model is loaded (exit 3); the launcher reads
+    config.json first and says so in the same line, with nothing started."""
+    model = tiny_models["qwen2_vl"]
+    config = json.loads((model / "config.json").read_text())
+    context = config.get("text_config", config)["max_position_embeddings"]
+    args = build_parser().parse_args(["serve", "--model", str(model), "--max-model-len", str(context + 1)])
+    assert serve_stack(args) == EXIT_MODEL
+    assert capsys.readouterr().err == (
+        f"epd: cannot load {model}: --max-model-len {context + 1} is more than this model's context of {context} "
+        f"tokens (config.json's max_position_embeddings); it may only lower it: pass at most {context}, or leave "
+        "it out\n"
+    )
+    check_max_model_len(str(model), context)  # the model's own context: served
+    check_max_model_len("Qwen/Qwen2-VL-2B-Instruct", 10**9)  # a hub id: prefill checks it once loaded

@@ -1,0 +1,83 @@
+"""`epd serve`'s command line (epd/cli/parsers/serve.py and the flag groups it adds, epd/cli/flags/):
+the flags each role takes, their defaults, and values refused as usage errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from epd.cli import configs
+from epd.cli.parsers.root import build_parser
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["serve", "prefill"], ["serve", "decode"], ["serve"], ["serve", "--colocate"], ["ask", "v.mp4", "q?"]],
+)
+def test_the_structured_compile_timeout_is_a_flag_of_what_compiles(argv):
+    """Prefill, decode, the stack (which passes it to them), the colocated stages and `epd ask`'s
+    embedded ones compile structured outputs, and take their deadline."""
+    args = build_parser().parse_args([*argv, "--structured-compile-timeout-s", "5"])
+    args.model = "/m"
+    assert configs.model_config(args).structured_compile_timeout_s == 5.0
+
+
+def test_the_encoder_has_no_structured_compile_timeout(capsys):
+    """The encoder never compiles a grammar: the flag was taken and silently unused."""
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["serve", "encoder", "--structured-compile-timeout-s", "5"])
+    assert info.value.code == 2
+    assert "unrecognized arguments: --structured-compile-timeout-s 5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--encoders", "0"], "must be 1 to 64 replicas"),
+        (["--decodes", "two"], "expected a number of replicas"),
+        (["--health-timeout", "0"], "must be > 0 seconds"),
+        (["--health-timeout", "-3"], "must be >= 0 seconds"),
+    ],
+)
+def test_bad_replica_and_health_flags_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_replica_and_health_defaults():
+    args = build_parser().parse_args(["serve"])
+    assert (args.encoders, args.prefills, args.decodes, args.health_timeout) == (1, 1, 1, 10.0)
+
+
+def test_a_negative_grace_period_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "encoder", "--grace-period", "-1"])
+    assert "must be >= 0 seconds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "expected"),
+    [
+        ("--max-new-tokens-limit", "4097", "must be 1 to 4096 tokens"),
+        ("--max-model-len", "0", "must be at least 1 token, got '0'"),
+        ("--max-model-len", "-5", "expected a positive number of tokens"),
+        (
+            "--max-model-len",
+            "1.5K",
+            "expected a positive number of tokens",
+        ),  # vLLM's: decimals with k, m, g only
+        # vLLM's "fit the GPU"
+        ("--max-model-len", "-1", "leave --max-model-len out to serve the model's own context"),
+        ("--max-model-len", "auto", "leave --max-model-len out to serve the model's own context"),
+        ("--max-prompt-tokens", "0", "must be at least 1 token, got '0'"),
+        ("--max-prompt-tokens", "-1", "expected a positive number of tokens"),
+    ],
+)
+def test_prefills_request_limits_refuse_values_they_cannot_serve(capsys, flag, value, expected):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "prefill", f"{flag}={value}"])
+    assert expected in capsys.readouterr().err
+
+
+def test_max_model_len_takes_vllms_decimal_suffix_with_a_fraction():
+    assert build_parser().parse_args(["serve", "prefill", "--max-model-len", "25.6k"]).max_model_len == 25600
