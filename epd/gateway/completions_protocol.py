@@ -24,7 +24,7 @@ from typing import Any
 
 from epd.gateway.ask_types import AskSummary
 from epd.gateway.chat_request import ChatRequest, answer_options
-from epd.gateway.json_fields import INT32_MAX, TOKEN_ID, boolean_field, checked_text, lax_int, number_item
+from epd.gateway.json_fields import INT32_MAX, TOKEN_ID, boolean_field, checked_text, lax_value, number_item
 from epd.gateway.logprobs_protocol import (
     completion_logprobs,
     completion_logprobs_option,
@@ -89,7 +89,7 @@ def parse_completion_request(
     # vLLM's echo without generation: max_tokens 0 answers the prompt alone; one token is generated
     # (the stages' least), as vLLM's, and its text left out (`ChatRequest.echo_only`).
     # max_tokens as vLLM reads it (0.0, "0" and false are 0 too), checked with the others below
-    echo_only = echo and lax_int(body.get("max_tokens")) == 0
+    echo_only = echo and lax_value(body.get("max_tokens"), int) == 0
     if echo_only:
         body = {**body, "max_tokens": 1}
     logprobs = completion_logprobs_option(body)
@@ -122,9 +122,9 @@ def _prompt(value: Any) -> RawPrompt:
         value = value[0]
     if isinstance(value, str):
         return RawPrompt(text=checked_text(value, "prompt"))
-    # vLLM's `list[int]`, read as it reads an int (`lax_int`: 7.0 and true too); a list of strings
+    # vLLM's `list[int]`, read as it reads an int (`lax_value`: 7.0 and true too); a list of strings
     # is a batch of prompts (above), as vLLM's union takes it.
-    if isinstance(value, list) and all(lax_int(v) is not None for v in value):
+    if isinstance(value, list) and all(lax_value(v, int) is not None for v in value):
         return RawPrompt(token_ids=tuple(number_item(v, TOKEN_ID, "prompt[]") for v in value))
     raise InvalidRequest(
         f"'prompt' must be a string or a list of token ids (integers from 0 to {INT32_MAX}); {_ONE_PROMPT}"

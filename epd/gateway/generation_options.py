@@ -23,7 +23,7 @@ from epd.gateway.json_fields import (
     boolean_field,
     check_collection,
     checked_text,
-    lax_int,
+    lax_value,
     number_field,
     number_item,
     shown_value,
@@ -110,7 +110,7 @@ def parse_generation(body: dict, defaults: GenerationConfig) -> GenerationConfig
         spaces_between_special_tokens=boolean_field(
             body, "spaces_between_special_tokens", defaults.spaces_between_special_tokens
         ),
-        n=lax_int(body.get("n")) or defaults.n,  # checked by `check_model`
+        n=lax_value(body.get("n"), int) or defaults.n,  # checked by `check_model`
         structured_outputs=parse_structured_outputs(body),
     )
 

@@ -2,26 +2,29 @@
 it is parsed, so a bad value is a 400 (`InvalidRequest`) that names the field and says what to
 send, never a 5xx deeper in, nor a value the wire to the stages cannot carry.
 
+    lax_value     a value read as vLLM reads an `int`, `float` or `bool` field of its requests:
+                  pydantic's own lax validation, so what vLLM takes is taken here (2.0 and "2" for
+                  an int, "0.5" and 1 for a float, "yes", "off" and 1 for a bool)
     NumberRange   a numeric field's type and range: at most its proto field's, so every
                   accepted value also crosses the wire (TOKEN_ID: any int32 id; the
                   vocabulary's bound is the stages' to check)
-    number_field  body[name] within a range; number_item: one entry of a list or object. An
-                  integer field takes what vLLM's does (`lax_int`)
-    boolean_field body[name] as true or false (never 0 or 1)
+    number_field  body[name] within a range; number_item: one entry of a list or object
+    boolean_field body[name] as true or false
     checked_text  a string that can be sent on as UTF-8 (no lone surrogates)
     check_collection  an object or list of at most so many entries
 
 An error message shows the client's value cut short (`shown_value`): it must not echo a megabyte.
-Chat completions (`epd.gateway.chat_request`), legacy completions and /tokenize read their
-bodies with these.
+Chat completions (`epd.gateway.chat_request`), legacy completions, the Responses API and /tokenize
+read their bodies with these.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
+
+from pydantic import TypeAdapter, ValidationError
 
 from epd.stages.errors import InvalidRequest
 
@@ -66,63 +69,55 @@ def checked_text(value: Any, name: str) -> str:
     return value
 
 
+_Kind = TypeVar("_Kind", int, float, bool)
+
+_LAX_READERS: dict[type, TypeAdapter[Any]] = {kind: TypeAdapter(kind) for kind in (int, float, bool)}
+"""pydantic's validators of vLLM's request field types. vLLM's request models are pydantic models
+validated in lax mode (vllm/entrypoints/openai/engine/protocol.py's `OpenAIBaseModel` sets no
+strict mode), from the parsed JSON body (python mode): these give exactly their answers."""
+
+
+def lax_value(value: Any, kind: type[_Kind]) -> _Kind | None:
+    """`value` read as vLLM reads a field of type `kind` (int, float or bool), or None where vLLM
+    refuses it (a 422 there, a 400 here; null is the caller's: a default or a refusal).
+    int: an integer, true / false, a float without a fractional part within int64, a string of
+    an integer (" 2 ", "2.0", "1_000"; not "2.5", "1e3" nor "0x10"). float: a number, true /
+    false, a string of a number ("0.5", "1e3", "inf", "nan": the fields' ranges refuse the last
+    two). bool: true / false, 0 / 1 (0.0 / 1.0 too), "true" / "false", "yes" / "no", "on" /
+    "off", "t" / "f", "y" / "n", "1" / "0" (case-insensitive). A client vLLM serves is served."""
+    try:
+        return cast("_Kind", _LAX_READERS[kind].validate_python(value, strict=False))
+    except ValidationError:
+        return None
+
+
 def boolean_field(body: dict, name: str, default: bool, label: str | None = None) -> bool:
-    """body[name] as true or false (`default` when absent or null); `label` names it in the error
-    (a nested field's path)."""
+    """body[name] as vLLM reads a `bool` (`lax_value`: true, "yes", 1, ...; `default` when absent
+    or null); `label` names it in the error (a nested field's path)."""
     value = body.get(name)
     if value is None:
         return default
-    if not isinstance(value, bool):
+    flag = lax_value(value, bool)
+    if flag is None:
         raise InvalidRequest(f"'{label or name}' must be true or false, got {shown_value(value)}")
-    return value
-
-
-_INT_TEXT = re.compile(r"[+-]?[0-9]+(?:_[0-9]+)*(?:\.0+)?", re.ASCII)
-"""A string pydantic reads as an integer: digits (single underscores between them), a sign, a
-zero fractional part."""
-
-
-def lax_int(value: Any) -> int | None:
-    """`value` read as vLLM reads an `int` field of its requests (a pydantic model, validated in
-    pydantic's lax mode: vllm/entrypoints/openai/engine/protocol.py's `OpenAIBaseModel` sets no
-    strict mode), or None when vLLM refuses it: an integer; true and false (1 and 0); a finite
-    number without a fractional part (2.0); a string of an integer, as pydantic parses it ("16",
-    " 2.0 ", "1_000"; not "2.5", "1e3" nor "0x10"). A client that vLLM serves is served here."""
-    if isinstance(value, int):  # bool too: pydantic's lax int takes true as 1
-        return int(value)
-    if isinstance(value, float):
-        return int(value) if math.isfinite(value) and value.is_integer() else None
-    if isinstance(value, str) and _INT_TEXT.fullmatch(text := value.strip()):
-        try:
-            return int(text.partition(".")[0])
-        except ValueError:  # more digits than Python parses from a string (pydantic's bound is lower)
-            return None
-    return None
+    return flag
 
 
 def number_field(body: dict, name: str, spec: NumberRange, default: Any) -> Any:
-    """body[name] as spec.kind within its range (an integer as vLLM reads one, `lax_int`; a float
-    from a number, never a bool); `default` when absent or null."""
+    """body[name] as vLLM reads an `int` or `float` of spec.kind (`lax_value`: 2.0 and "2" for
+    an int, "0.5" and true for a float) within its range; `default` when absent or null."""
     value = body.get(name)
     if value is None:
         return default
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if spec.kind is int:
-        number = lax_int(value)
-        ok = number is not None
-        value = value if number is None else number
-    elif ok:
-        try:
-            value = float(value)  # an integer of 400 digits overflows: not a usable number
-        except OverflowError:
-            ok = False
-    if ok:
-        in_low = value > spec.low if spec.low_open else value >= spec.low
+    number = lax_value(value, spec.kind)
+    ok = number is not None
+    if number is not None:
+        in_low = number > spec.low if spec.low_open else number >= spec.low
         # isinstance first: math.isfinite of an int past float's range raises OverflowError.
-        ok = (isinstance(value, int) or math.isfinite(value)) and in_low and value <= spec.high
+        ok = (isinstance(number, int) or math.isfinite(number)) and in_low and number <= spec.high
     if not ok:
         raise InvalidRequest(f"'{name}' must be {spec.describe()}, got {shown_value(value)}")
-    return value
+    return number
 
 
 def number_item(value: Any, spec: NumberRange, label: str) -> Any:

@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from epd.gateway.generation_options import GENERATION_OPTIONS
-from epd.gateway.json_fields import checked_text, lax_int, shown_value
+from epd.gateway.json_fields import checked_text, lax_value, shown_value
 from epd.gateway.structured_request import STRUCTURED_FIELDS
 from epd.model_runtime.sampling import MAX_CHOICES
 from epd.stages.errors import InvalidRequest, NotFound
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 UNSUPPORTED_CHAT_FIELDS = {
     "best_of": (1,),
     "use_beam_search": (False,),
-    "length_penalty": (1,),
+    "length_penalty": (1.0,),
     # vLLM's other ways to ask for a grammar (response_format, structured_outputs and guided_json,
     # guided_regex, guided_choice, guided_grammar are read: `epd.gateway.structured_request`).
     "guided_whitespace_pattern": (),
@@ -92,10 +92,7 @@ def refuse_unsupported_fields(body: dict, unsupported: dict[str, tuple], known: 
     anything but a value that asks for nothing; a field not in `known` is logged (the request goes on)."""
     for name, neutral in unsupported.items():
         value = body.get(name)
-        # Equal and both bools or neither (False == 0 in Python; 0 == 0.0 is meant).
-        if value is not None and not any(
-            value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral
-        ):
+        if value is not None and not any(_asks_nothing(value, v) for v in neutral):
             raise InvalidRequest(
                 f"'{name}' is not supported by this server; leave it unset"
                 + (f" (or {json.dumps(neutral[0])})" if neutral else "")
@@ -103,6 +100,15 @@ def refuse_unsupported_fields(body: dict, unsupported: dict[str, tuple], known: 
             )
     if unknown := sorted(str(name)[:64] for name in body if name not in known):
         log.warning("ignored request fields %s", unknown[:16])
+
+
+def _asks_nothing(value: Any, neutral: Any) -> bool:
+    """`value` is `neutral`, read as vLLM reads a field of the neutral value's type (best_of's
+    "1" and 1.0 are its int 1, use_beam_search's "false" and 0 its bool false: `lax_value`);
+    a string, list or object as it is."""
+    if isinstance(neutral, (bool, int, float)):
+        return lax_value(value, type(neutral)) == neutral
+    return bool(value == neutral)
 
 
 def requested_model(body: Any, served_model: str) -> str:
@@ -121,7 +127,7 @@ def check_model(body: Any, served_model: str) -> str:
     `n`): the model's name, else InvalidRequest (400) or NotFound (404)."""
     model = requested_model(body, served_model)
     n = body.get("n")
-    if n is not None and not 1 <= (lax_int(n) or 0) <= MAX_CHOICES:
+    if n is not None and not 1 <= (lax_value(n, int) or 0) <= MAX_CHOICES:
         raise InvalidRequest(
             f"'n' must be an integer from 1 to {MAX_CHOICES} (choices per request), got {shown_value(n)}; "
             "send more requests for more choices"

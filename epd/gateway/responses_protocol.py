@@ -49,7 +49,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from epd.gateway.chat_request import ChatRequest, parse_chat_request
-from epd.gateway.json_fields import lax_int, shown_value
+from epd.gateway.json_fields import boolean_field, lax_value, shown_value
 from epd.gateway.request_fields import KNOWN_CHAT_FIELDS, UNSUPPORTED_CHAT_FIELDS, refuse_unsupported_fields
 from epd.gateway.structured_request import GUIDED_FIELDS
 from epd.model_runtime.sampling import GenerationConfig
@@ -142,7 +142,7 @@ def parse_responses_request(
     fields the answer repeats); raises InvalidRequest (400) or NotFound (404, model)."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    if body.get("store") is True:
+    if boolean_field(body, "store", False):
         raise InvalidRequest(f"'store': true is not supported; leave it unset or false: {_NOT_STORED}")
     for name in ("previous_response_id", "conversation"):
         if body.get(name) is not None:
@@ -216,9 +216,9 @@ def _logprobs(body: dict[str, Any]) -> dict[str, Any]:
         )
     if LOGPROBS_INCLUDE not in include:
         # vLLM's: top_logprobs is read only with the include (`to_sampling_params`), ignored
-        # without it; an integer all the same (any: its request's `int`, read as `lax_int` reads it).
+        # without it; an integer all the same (any: its request's `int`, read as `lax_value` reads it).
         top = body.get("top_logprobs")
-        if top is not None and lax_int(top) is None:
+        if top is not None and lax_value(top, int) is None:
             raise InvalidRequest(f"'top_logprobs' must be an integer, got {shown_value(top)}")
         return {"logprobs": False}
     return {"logprobs": True, "top_logprobs": body.get("top_logprobs")}

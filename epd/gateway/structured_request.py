@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from epd.gateway.json_fields import boolean_field, checked_text, shown_value
+from epd.gateway.json_fields import boolean_field, checked_text, lax_value, shown_value
 from epd.model_runtime.sampling import MAX_CHOICE_STRINGS, MAX_STRUCTURED_OUTPUT_CHARS, StructuredOutputs
 from epd.stages.errors import InvalidRequest
 
@@ -29,6 +29,7 @@ STRUCTURED_FIELDS = ("response_format", "structured_outputs", *GUIDED_FIELDS)
 
 _CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
 _OPTIONS = ("disable_any_whitespace", "disable_fallback")
+_BOOL_OPTIONS = ("json_object", "disable_additional_properties")
 _UNSUPPORTED_OPTIONS = {
     "structural_tag": "structural tags are not supported by this server",
     "whitespace_pattern": "a whitespace pattern is not supported; use disable_any_whitespace",
@@ -92,14 +93,14 @@ def _structured_object(value: Any) -> StructuredOutputs:
             '{"choice": [...]} or {"grammar": "..."}'
         )
     for key in value:
-        if key in _UNSUPPORTED_OPTIONS and value[key] not in (None, False, ""):
+        if key in _UNSUPPORTED_OPTIONS and _sent(key, value[key], (None, False, "")):
             raise InvalidRequest(f"structured_outputs.{key}: {_UNSUPPORTED_OPTIONS[key]}")
         if key not in (*_CONSTRAINTS, *_OPTIONS, *_UNSUPPORTED_OPTIONS):
             raise InvalidRequest(
                 f"structured_outputs has an unknown field {shown_value(str(key))}; it takes one of "
                 f"{', '.join(_CONSTRAINTS)} and disable_any_whitespace"
             )
-    given = [key for key in _CONSTRAINTS if value.get(key) not in (None, False)]
+    given = [key for key in _CONSTRAINTS if _sent(key, value.get(key), (None, False))]
     if len(given) != 1:
         raise InvalidRequest(
             f"structured_outputs takes exactly one of {', '.join(_CONSTRAINTS)}; got "
@@ -120,11 +121,20 @@ def _structured_object(value: Any) -> StructuredOutputs:
     )
 
 
+def _sent(key: str, value: Any, nothing: tuple[Any, ...]) -> bool:
+    """structured_outputs[key] asks for something: not one of `nothing`; vLLM's bool options
+    (json_object, disable_additional_properties) not false as vLLM reads a bool ("false", 0 too:
+    `lax_value`)."""
+    if key in _BOOL_OPTIONS:
+        return value is not None and lax_value(value, bool) is not False
+    return value not in nothing
+
+
 def _constraint(kind: str, value: Any, label: str) -> StructuredOutputs:
     if kind == "json":
         return StructuredOutputs(json_schema=_schema_text(value, label))
     if kind == "json_object":
-        if value is not True:
+        if lax_value(value, bool) is not True:
             raise InvalidRequest(f"'{label}' must be true, got {shown_value(value)}")
         return StructuredOutputs(json_object=True)
     if kind == "choice":

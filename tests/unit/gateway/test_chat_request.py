@@ -119,7 +119,7 @@ def test_image_part_and_string_url():
             },
             "end with the user's message",
         ),
-        ({"echo": 1}, "'echo' must be true or false, got 1"),
+        ({"echo": 2}, "'echo' must be true or false, got 2"),
         ({"messages": [{"role": "user", "content": []}]}, "non-empty list of content parts"),
         ({"media": {"frames": 3}}, "unknown media options"),
         ({"media": {"num_frames": [8]}}, "'num_frames' must be an integer"),
@@ -139,7 +139,7 @@ def test_image_part_and_string_url():
         ({"top_logprobs": 1}, 'needs "logprobs": true'),
         ({"logprobs": True, "top_logprobs": -1}, "'top_logprobs' must be an integer from 0 to"),
         ({"logprobs": True, "top_logprobs": 2.5}, "'top_logprobs' must be an integer"),
-        ({"logprobs": "yes"}, "'logprobs' must be"),
+        ({"logprobs": "yes please"}, "'logprobs' must be"),
     ],
 )
 def test_invalid_bodies(change, match):
@@ -240,12 +240,12 @@ NAN, INF = float("nan"), float("inf")
         ({"top_k": 2**40}, "'top_k' must be an integer from -1 to 2147483647"),
         ({"seed": 2**63}, "'seed' must be an integer from -9223372036854775808 to 9223372036854775807"),
         ({"seed": 10**100}, "got a huge integer"),
-        ({"stream": "yes"}, "'stream' must be true or false"),
+        ({"stream": "streamed"}, "'stream' must be true or false"),
         (
-            {"stream": True, "stream_options": {"include_usage": 1}},
+            {"stream": True, "stream_options": {"include_usage": 0.5}},
             "'stream_options.include_usage' must be true or false",
         ),
-        ({"ignore_eos": 0}, "'ignore_eos' must be true or false"),
+        ({"ignore_eos": -1}, "'ignore_eos' must be true or false"),
         ({"n": "two"}, "'n' must be an integer from 1 to 16"),
         ({"model": ["epd"]}, "'model' must be a string"),
         ({"stop": "\ud800"}, "'stop' is not valid Unicode text"),
@@ -331,7 +331,7 @@ def test_parts_keep_the_clients_order_and_history_is_kept():
 @pytest.mark.parametrize(("field", "value"), [
     ("best_of", 2), ("use_beam_search", True), ("length_penalty", 0.5), ("guided_whitespace_pattern", "\\s*"),
     ("functions", [{"name": "f"}]), ("function_call", "required"),
-    ("best_of", True),
+    ("best_of", "2"), ("use_beam_search", "yes"),  # vLLM's int and bool, read as it reads them
     # vLLM's fields that change the prompt, the frames or the answer's text: they were logged as
     # unknown, and answered as if they had not been sent.
     ("add_special_tokens", True),
@@ -427,7 +427,8 @@ def test_vllm_sampling_options_are_read_with_vllm_meanings():
 @pytest.mark.parametrize(("fields", "match"), [
     ({"repetition_penalty": 0}, r"'repetition_penalty' must be a finite number > 0, got 0"),
     ({"presence_penalty": 2.5}, r"'presence_penalty' must be a finite number >= -2 and <= 2, got 2.5"),
-    ({"frequency_penalty": "1"}, r"'frequency_penalty' must be a finite number >= -2 and <= 2"),
+    ({"frequency_penalty": "3"}, r"'frequency_penalty' must be a finite number >= -2 and <= 2, got '3'"),
+    ({"frequency_penalty": "one"}, r"'frequency_penalty' must be a finite number >= -2 and <= 2, got 'one'"),
     ({"min_p": -0.1}, r"'min_p' must be a finite number >= 0 and <= 1"),
     ({"min_tokens": 1.5}, r"'min_tokens' must be an integer from 0"),
     ({"logit_bias": [5]}, r"'logit_bias' must be an object of token ids to biases"),
@@ -439,7 +440,7 @@ def test_vllm_sampling_options_are_read_with_vllm_meanings():
     ({"stop_token_ids": 5}, "'stop_token_ids' must be a list of token ids"),
     ({"stop_token_ids": ["7a"]}, r"'stop_token_ids\[\]' must be an integer from 0"),
     ({"stop_token_ids": list(range(257))}, "'stop_token_ids' has 257 entries; at most 256"),
-    ({"include_stop_str_in_output": 1}, "'include_stop_str_in_output' must be true or false"),
+    ({"include_stop_str_in_output": "1.0"}, "'include_stop_str_in_output' must be true or false"),
     ({"allowed_token_ids": []}, r"'allowed_token_ids' is empty, which allows no token; leave it out \(or null\)"),
     ({"allowed_token_ids": 5}, "'allowed_token_ids' must be a list of token ids"),
     ({"allowed_token_ids": [5, -1]}, r"'allowed_token_ids\[\]' must be an integer from 0"),
@@ -515,6 +516,111 @@ def test_integer_fields_refuse_what_vllms_int_refuses(value):
             parse(body(**{field: value}))
     with pytest.raises(InvalidRequest, match=r"'stop_token_ids\[\]' must be an integer"):
         parse(body(stop_token_ids=[value]))
+
+
+# What pydantic 2's lax mode makes of a JSON value for a `float` field (vLLM's temperature, ...):
+# they were 400s here (a float field took a JSON number alone).
+VLLM_FLOATS = (("0.5", 0.5), (" 0.5 ", 0.5), ("5e-1", 0.5), (".5", 0.5), ("1", 1.0), (1, 1.0), (True, 1.0),
+               (False, 0.0), ("0", 0.0))  # fmt: skip
+NOT_VLLM_FLOATS = (
+    "half",
+    "0x1",
+    "1__0",
+    "",
+    "nan",
+    "inf",
+    "-Infinity",
+    [0.5],
+    {"t": 1},
+)  # the last 5: ranges
+
+
+@pytest.mark.parametrize(("value", "number"), VLLM_FLOATS)
+def test_float_fields_take_what_vllms_float_takes(value, number):
+    """Every float field reads its value as vLLM's pydantic `float` does (lax: "0.5", 1, true):
+    the sampling options, logit_bias's values and the media options alike."""
+    req = parse(
+        body(
+            temperature=value, top_p=value if number > 0 else None, repetition_penalty=value if number > 0 else None,
+            presence_penalty=value, frequency_penalty=value, min_p=value, logit_bias={"5": value},
+            media={"fps": value if number > 0 else None, "start_time_s": value},
+        )
+    )  # fmt: skip
+    g = req.generation
+    assert (g.temperature, g.presence_penalty, g.frequency_penalty, g.min_p) == (number,) * 4
+    assert g.logit_bias == ((5, number),) and req.sampling.start_time_s == number
+    if number > 0:
+        assert (g.top_p, g.repetition_penalty, req.sampling.fps) == (number,) * 3
+    assert all(
+        type(v) is float for v in (g.temperature, g.min_p, g.logit_bias[0][1], req.sampling.start_time_s)
+    )
+
+
+@pytest.mark.parametrize("value", NOT_VLLM_FLOATS)
+def test_float_fields_refuse_what_vllms_float_or_their_range_refuses(value):
+    for field in ("temperature", "top_p", "presence_penalty", "min_p", "repetition_penalty"):
+        with pytest.raises(InvalidRequest, match=f"^'{field}' must be a finite number"):
+            parse(body(**{field: value}))
+    with pytest.raises(InvalidRequest, match=r"^'logit_bias\[5\]' must be a finite number"):
+        parse(body(logit_bias={"5": value}))
+    with pytest.raises(InvalidRequest, match="^'fps' must be a finite number"):
+        parse(body(media={"fps": value}))
+
+
+BOOLEAN_FIELDS = ("stream", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                  "spaces_between_special_tokens", "include_reasoning", "return_token_ids", "logprobs",
+                  "parallel_tool_calls", "add_generation_prompt")  # fmt: skip
+
+
+@pytest.mark.parametrize(("value", "flag"), [("yes", True), ("on", True), ("t", True), ("TRUE", True), (1, True),
+                                             ("1", True), (1.0, True), ("no", False), ("off", False),
+                                             ("false", False), (0, False), ("0", False)])  # fmt: skip
+def test_boolean_fields_take_what_vllms_bool_takes(value, flag):
+    """Every bool field reads its value as vLLM's pydantic `bool` does ("yes", "off", 1, 0):
+    they were 400s here (true and false alone)."""
+    fields = dict.fromkeys(BOOLEAN_FIELDS, value)
+    extra = {"stream_options": {"include_usage": value, "continuous_usage_stats": value}} if flag else {}
+    req = parse(
+        body(
+            **fields,
+            **extra,
+            echo=value,
+            tools=[],
+            structured_outputs={"regex": "a+", "disable_any_whitespace": value},
+        )
+    )
+    g = req.generation
+    assert (req.stream, g.ignore_eos, g.include_stop_str_in_output, g.skip_special_tokens) == (flag,) * 4
+    assert (g.spaces_between_special_tokens, req.include_reasoning, req.return_token_ids) == (flag,) * 3
+    assert (g.logprobs is not None, req.tool_choice.parallel, req.template.add_generation_prompt) == (
+        flag,
+    ) * 3
+    assert (req.echo, g.structured_outputs.disable_any_whitespace) == (flag, flag)
+    assert (req.include_usage, req.continuous_usage) == (flag, flag)
+
+
+@pytest.mark.parametrize("value", [2, -1, 0.5, "maybe", "1.0", " yes", "", [True], {"on": 1}])
+def test_boolean_fields_refuse_what_vllms_bool_refuses(value):
+    for field in BOOLEAN_FIELDS:
+        with pytest.raises(InvalidRequest, match=f"^'{field}' must be true or false, got "):
+            parse(body(**{field: value}))
+    with pytest.raises(InvalidRequest, match="^'stream_options.include_usage' must be true or false"):
+        parse(body(stream=True, stream_options={"include_usage": value}))
+
+
+def test_unsupported_fields_ask_for_nothing_as_vllm_reads_their_neutral_values():
+    """A field epd does not implement is read as vLLM reads its type before it is found to ask for
+    nothing: best_of "1", use_beam_search "no", length_penalty "1.0" ask for nothing."""
+    neutral = dict(best_of="1", use_beam_search="no", length_penalty="1.0", watermarking=0,
+                   return_prompt_text="off", add_special_tokens="f", max_repetition_pattern_size="0",
+                   min_repetition_pattern_size=False, repetition_min_count=0.0)  # fmt: skip
+    assert parse(body(**neutral)).generation == GenerationConfig(max_new_tokens=32, fit_max_new_tokens=True)
+    for field, value in (("best_of", "2"), ("use_beam_search", "on"), ("length_penalty", "0.5"),
+                         ("watermarking", 1), ("best_of", "1e0"), ("best_of", "one")):  # fmt: skip
+        with pytest.raises(
+            InvalidRequest, match=f"^'{field}' is not supported by this server; leave it unset"
+        ):
+            parse(body(**{field: value}))
 
 
 def test_priority_is_read_as_vllms_integer_and_refused_outside_the_wires_range():

@@ -58,10 +58,10 @@ def test_the_http_door_reads_both_fields_and_takes_an_assistant_message_last():
             NOT_ASSISTANTS,
         ),
         (
-            {"messages": ANSWERED, "continue_final_message": "yes"},
+            {"messages": ANSWERED, "continue_final_message": "continue"},
             "'continue_final_message' must be true or false",
         ),
-        ({"messages": ANSWERED, "add_generation_prompt": 0}, "'add_generation_prompt' must be true or false"),
+        ({"messages": ANSWERED, "add_generation_prompt": 2}, "'add_generation_prompt' must be true or false"),
     ],
 )
 def test_refusals_are_400s_that_say_what_to_change(body, match):

@@ -223,9 +223,10 @@ def _post_chat(
     admission=None,
     headers: dict | None = None,
     answer_headers: dict | None = None,
+    path: str = "/v1/chat/completions",
 ) -> str:
-    """POST `body` to /v1/chat/completions of an in-process API over `pipeline`; the answer's text
-    (and its headers into `answer_headers`)."""
+    """POST `body` to `path` (chat completions) of an in-process API over `pipeline`; the answer's
+    text (and its headers into `answer_headers`)."""
 
     async def run():
         api = HttpApi(
@@ -239,7 +240,7 @@ def _post_chat(
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         try:
             async with aiohttp.ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}") as session:
-                async with session.post("/v1/chat/completions", json=body, headers=headers) as resp:
+                async with session.post(path, json=body, headers=headers) as resp:
                     if answer_headers is not None:
                         answer_headers.update((k.lower(), v) for k, v in resp.headers.items())
                     return (await resp.read()).decode()
@@ -867,3 +868,51 @@ def test_include_reasoning_false_hides_the_tokens_logprobs_and_ids_under_either_
         assert (shown == []) == hidden, (name, streamed)
         if not hidden:
             assert [ids for _, ids in shown] == [[5], [6]], (name, streamed)
+
+
+class _RecordingTokenizer(_RecordingPipeline):
+    """Hands each /tokenize input to `record`, then ends its call (the client gets a 500)."""
+
+    async def tokenize(self, request, request_id):  # type: ignore[override]
+        self.record(request)
+        raise _Recorded("recorded")
+
+
+def test_every_door_reads_int_float_and_bool_fields_as_vllms_pydantic_models_do():
+    """vLLM's clients send what its lax pydantic fields take ("0.5", "yes", 1, "2"): chat, legacy
+    completions, Responses and /tokenize read them so (float and bool fields were 400s), and a
+    value vLLM refuses too is a 400 that names the field."""
+    import json
+
+    user = [{"role": "user", "content": "q"}]
+    lax = {"temperature": "0.5", "top_p": 1, "seed": "7", "ignore_eos": "yes", "skip_special_tokens": 0,
+           "logit_bias": {"5": "-1.5"}}  # fmt: skip
+    asked: list = []
+    recording = _RecordingPipeline(asked.append)
+    _post_chat(recording, {"messages": user, "stream": "false", "max_completion_tokens": "3.0", **lax})
+    _post_chat(recording, {"prompt": "q", "echo": "off", "max_tokens": 3, **lax}, path="/v1/completions")
+    _post_chat(recording, {"input": "q", "max_output_tokens": "3", "parallel_tool_calls": "f", "store": "no", **lax},
+               path="/v1/responses")  # fmt: skip
+    tokenized: list = []
+    _post_chat(_RecordingTokenizer(tokenized.append), {"prompt": "q", "add_special_tokens": "no",
+               "return_token_strs": "on"}, path="/tokenize")  # fmt: skip
+    assert len(asked) == 3
+    for req in asked:
+        g = req.generation
+        assert (g.temperature, g.top_p, g.seed, g.max_new_tokens) == (0.5, 1.0, 7, 3)
+        assert (g.ignore_eos, g.skip_special_tokens, g.logit_bias) == (True, False, ((5, -1.5),))
+    ((tokenize,),) = [tokenized]
+    assert (tokenize.prompt, tokenize.add_special_tokens, tokenize.return_token_strs) == ("q", False, True)
+
+    refused = {
+        "/v1/chat/completions": (
+            {"messages": user, "temperature": "warm"},
+            "'temperature' must be a finite number",
+        ),
+        "/v1/completions": ({"prompt": "q", "echo": "maybe"}, "'echo' must be true or false, got 'maybe'"),
+        "/v1/responses": ({"input": "q", "top_p": "nan"}, "'top_p' must be a finite number > 0 and <= 1"),
+        "/tokenize": ({"prompt": "q", "return_token_strs": 2}, "'return_token_strs' must be true or false"),
+    }
+    for path, (sent, message) in refused.items():
+        error = json.loads(_post_chat(_ScriptedPipeline(), sent, path=path))
+        assert message in error["error"]["message"] and error["error"]["code"] == 400, (path, error)

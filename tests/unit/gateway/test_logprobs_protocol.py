@@ -84,7 +84,7 @@ def test_chat_fields(body, want):
     ("body", "match"),
     [
         ({"top_logprobs": 3}, "'top_logprobs' \\(3\\) needs \"logprobs\": true"),
-        ({"logprobs": 1}, "'logprobs' must be true or false"),
+        ({"logprobs": 5}, "'logprobs' must be true or false"),
         ({"logprobs": True, "top_logprobs": -1}, "'top_logprobs' must be an integer from 0 to"),
     ],
 )

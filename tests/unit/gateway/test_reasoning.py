@@ -166,8 +166,9 @@ def _parse(**fields):
 def test_include_reasoning_is_read_not_refused():
     """It was refused unless true (no parser could leave the reasoning out)."""
     assert _parse().include_reasoning and not _parse(include_reasoning=False).include_reasoning
+    assert not _parse(include_reasoning="no").include_reasoning  # vLLM's bool: "no" is false
     with pytest.raises(InvalidRequest, match="include_reasoning"):
-        _parse(include_reasoning="no")
+        _parse(include_reasoning="hidden")
 
 
 def test_the_config_takes_vllms_parser_names_only():

@@ -124,6 +124,10 @@ def test_a_named_function_and_text_format_are_chats():
         ),
         ({"input": "hi", "conversation": "c"}, "'conversation' is not supported"),
         ({"input": "hi", "background": True}, "'background' is not supported"),
+        # vLLM's bools, read as its pydantic reads them
+        ({"input": "hi", "store": "yes"}, "'store': true is not supported"),
+        ({"input": "hi", "store": "sometimes"}, "'store' must be true or false, got 'sometimes'"),
+        ({"input": "hi", "background": "on"}, "'background' is not supported"),
         ({"messages": [{"role": "user", "content": "hi"}]}, "'messages' is chat completions' field.*'input'"),
         ({"input": "hi", "max_tokens": 4}, "takes 'max_output_tokens'"),
         ({"input": "hi", "response_format": {"type": "json_object"}}, "takes 'text'"),
@@ -284,6 +288,7 @@ def test_another_model_is_a_404_and_unknown_fields_are_logged(caplog):
     with caplog.at_level("WARNING"):
         parse(input="hi", store=False, prompt_cache_key="k", reasoning={"effort": "low"}, user="u")
     assert "ignored request fields ['prompt_cache_key']" in caplog.text
+    parse(input="hi", store="no", background=0)  # vLLM's bools: "no" and 0 are false
 
 
 def test_the_response_object():

@@ -70,12 +70,12 @@ def test_continue_final_message_and_return_token_strs_are_read_as_vllms():
     ({"prompt": "a", "messages": [USER]}, "exactly one of 'prompt'"),
     ({}, "send 'prompt' \\(a string\\) or 'messages'"),
     ({"prompt": 3}, "send 'prompt'"),
-    ({"prompt": "a", "return_token_strs": 1}, "'return_token_strs' must be true or false"),
+    ({"prompt": "a", "return_token_strs": 2}, "'return_token_strs' must be true or false"),
     ({"messages": [USER], "chat_template": 3}, "'chat_template' must be a string"),
-    ({"messages": [USER], "continue_final_message": "yes"}, "'continue_final_message' must be true or false"),
+    ({"messages": [USER], "continue_final_message": "go on"}, "'continue_final_message' must be true or false"),
     ({"messages": [USER], "tools": [{"type": "function"}]}, r"tools\[0\].function must be an object"),
     ({"messages": "hi"}, "'messages' must be a non-empty list"),
-    ({"prompt": "a", "add_special_tokens": "yes"}, "'add_special_tokens' must be true or false"),
+    ({"prompt": "a", "add_special_tokens": "with"}, "'add_special_tokens' must be true or false"),
     ([1], "the request body must be a JSON object"),
 ])  # fmt: skip
 def test_bad_tokenize_bodies_are_refused_naming_what_to_change(body, message):

@@ -88,8 +88,9 @@ def test_tool_choice_defaults_and_modes():
     assert (none.tool_choice, none.template.tools) == (ToolChoice("none"), (WEATHER, TIME))  # still rendered
     assert none.generation.structured_outputs is None
     assert parse(parallel_tool_calls=False).tool_choice == ToolChoice("auto", parallel=False)
+    assert parse(parallel_tool_calls="no").tool_choice == ToolChoice("auto", parallel=False)  # vLLM's bool
     with pytest.raises(InvalidRequest, match="'parallel_tool_calls' must be true or false"):
-        parse(parallel_tool_calls="no")
+        parse(parallel_tool_calls="one at a time")
 
 
 def test_a_named_function_is_forced_to_its_parameters_schema():
