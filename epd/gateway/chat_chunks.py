@@ -105,7 +105,7 @@ class ChatChunks:
             return []
         role = {"role": self.chat.response_role, "content": ""}
         return [
-            self._with_usage(
+            self._framed(
                 chunk_body(self.request_id, self.chat.model, self.created, role, index=index, opening=True)
             )
         ]
@@ -137,7 +137,7 @@ class ChatChunks:
         self.text_offsets[index] = (
             len(echoed) if echo_logprobs is None else sum(len(lp.token) for lp in echo_logprobs)
         )
-        return self._with_usage(chunk)
+        return self._framed(chunk)
 
     def add(self, step: TokenStep) -> list[dict[str, Any]]:
         """A token step's chunks: its text's (the reasoning parser's split, the tool calls read so
@@ -198,7 +198,7 @@ class ChatChunks:
                 self.last_chunks = chunks  # the summary's details go on its end
                 return []
             chunks = self._finish_choice(step.index, step.finish_reason, step.stop_reason, chunks)
-        return [self._with_usage(chunk) for chunk in chunks]
+        return [self._framed(chunk) for chunk in chunks]
 
     def finish(self, summary: AskSummary) -> list[dict[str, Any]]:
         """The answer's end: the choices not finished yet (the last one's final step, held back by
@@ -224,7 +224,7 @@ class ChatChunks:
                     "usage": usage(summary, None if self.thinking is None else self.reasoning_tokens),
                 }
             )
-        return [self._with_usage(chunk) for chunk in chunks]
+        return [self._framed(chunk) for chunk in chunks]
 
     @property
     def metadata_hidden(self) -> bool:
@@ -280,11 +280,11 @@ class ChatChunks:
             chunks[-1]["epd"] = details
         return chunks
 
-    def _with_usage(self, chunk: dict[str, Any]) -> dict[str, Any]:
-        """`chunk` with the usage stream_options ask for, unless it has its own (the usage chunk's):
-        with continuous_usage_stats the usage so far (its choice's tokens), with include_usage
-        alone null; and the prompt's ids on its choice's first chunk (`_with_prompt_ids`). Every
-        chunk goes out through here, once, in the order sent."""
+    def _framed(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        """`chunk` as it goes out (every chunk goes through here, once, in the order sent): with
+        the usage stream_options ask for, unless it has its own (the usage chunk's): with
+        continuous_usage_stats the usage so far (its choice's tokens), with include_usage alone
+        null; and the prompt's ids on its choice's first chunk (`_with_prompt_ids`)."""
         self._with_prompt_ids(chunk)
         if self.chat.continuous_usage:
             so_far = (
@@ -325,7 +325,7 @@ class ChatChunks:
         """The chunks `add` held back for the summary, without their finish reason, when the
         answer fails before it (the error event follows them)."""
         chunks, self.last_chunks = self.last_chunks, []
-        return [self._with_usage(chunk) for chunk in chunks]
+        return [self._framed(chunk) for chunk in chunks]
 
     def _echo_logprobs(self) -> Sequence[TokenLogprob] | None:
         return self.prompt_logprobs if self.chat.generation.logprobs is not None else None

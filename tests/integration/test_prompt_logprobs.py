@@ -262,7 +262,8 @@ def test_a_streamed_echo_with_logprobs_joins_to_the_whole_answer(shared_stack, t
     chunks = [c.model_dump()["choices"][0] for c in http.completions.create(**body, stream=True) if c.choices]
 
     echo = chunks[0]
-    assert echo["text"] == PROMPT and echo.get("token_ids") is None
+    # no generated token made the echo; the prompt's ids come on it, the choice's first chunk (vLLM's)
+    assert echo["text"] == PROMPT and echo["token_ids"] == [] and echo["prompt_token_ids"] == raw_ids
     assert len(echo["logprobs"]["tokens"]) == len(raw_ids)
     assert echo["logprobs"]["token_logprobs"][0] is None and echo["logprobs"]["top_logprobs"][0] is None
     for p in range(1, len(raw_ids)):
