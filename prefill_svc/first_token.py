@@ -136,6 +136,7 @@ def finish_prefill(
         first_logprob=starts[0].first_logprob,
         other_choices=starts[1:],
         prompt_logprobs=_prompt_logprobs(adapter, request),
+        prompt_token_ids=prompt.input_ids[0].tolist() if request.generation.return_prompt_token_ids else None,
     )
     return PrefillOutput(handle, cache)
 

@@ -48,7 +48,7 @@ _GENERATION_OPTIONS = (
     "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "logit_bias", "stop_token_ids",
     "include_stop_str_in_output", "allowed_token_ids", "bad_words", "skip_special_tokens",
-    "spaces_between_special_tokens", "logprobs", "prompt_logprobs", "priority",
+    "spaces_between_special_tokens", "logprobs", "prompt_logprobs", "priority", "return_prompt_token_ids",
 )  # fmt: skip
 _GENERATION_PRESENT = (
     "seed",
@@ -88,7 +88,9 @@ def build_header(
     raw model distribution, vLLM's default); prompt_logprobs=k (vLLM's, bounded alike): each
     prompt token's log-probability given the tokens before it, its rank and the k most likely
     tokens' there (`AskResult.prompt_logprobs`, sent in pieces before the first token; no
-    streamed deltas carry them); structured outputs as vLLM's `structured_outputs`
+    streamed deltas carry them); return_prompt_token_ids=True (vLLM's return_token_ids, its
+    prompt half): the prompt's token ids as the server's prefill ran it
+    (`AskResult.prompt_token_ids`); structured outputs as vLLM's `structured_outputs`
     ({"json": schema}, {"json_object": True}, {"regex": "..."}, {"choice": [...]} or {"grammar":
     "EBNF"}, with "disable_any_whitespace") or OpenAI's `response_format` ({"type":
     "json_object"}, {"type": "json_schema", "json_schema": {"name", "schema"}}).

@@ -266,6 +266,9 @@ class AskResult:
     """One per prompt token when the request asked (`prompt_logprobs=k`), else None: each after the
     first with its log-probability given the tokens before it, its `rank` and the k most likely
     tokens' there; the first's logprob is NaN (nothing comes before it)."""
+    prompt_token_ids: list[int] | None = None
+    """The prompt's token ids as the server's prefill ran it (`num_prompt_tokens` of them, media
+    placeholders included) when the request asked (`return_prompt_token_ids=True`), else None."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.timings_ms, Timings):  # a 0.1 caller's dict
@@ -299,6 +302,7 @@ class AskResult:
                 None if math.isnan(lp.logprob) else {**logprob_to_dict(lp), "rank": lp.rank}
                 for lp in self.prompt_logprobs
             ],
+            "prompt_token_ids": None if self.prompt_token_ids is None else list(self.prompt_token_ids),
             "events": [e.to_dict() for e in self.events],
             "num_attempts": self.num_attempts,
             "media_num_bytes_sent": self.media_num_bytes_sent,
@@ -390,6 +394,7 @@ def result_from_proto(
         stop_reason=stop_reason_from_proto(s),
         logprobs=logprobs_from_proto(s.logprobs),
         prompt_logprobs=prompt_logprobs,
+        prompt_token_ids=list(s.prompt_token_ids) or None,  # a prompt is never empty: not asked
     )
 
 

@@ -73,6 +73,9 @@ class AskSummary:
     """vLLM's `prompt_logprobs`, when the request asked (`GenerationConfig.prompt_logprobs`): the
     prompt's tokens, each after the first with its log-probability given the tokens before it,
     its rank and the top k there (the first's logprob is NaN: nothing comes before it); else None."""
+    prompt_token_ids: list[int] | None = None
+    """vLLM's `prompt_token_ids`, when the request asked (`GenerationConfig.return_prompt_token_ids`):
+    the prompt's token ids as prefill ran it (`num_prompt_tokens` of them); else None."""
     choices: list[ChoiceSummary] = field(default_factory=list)
     """Every choice of the request (OpenAI's `n`), by index; `answer`, `token_ids`,
     `finish_reason`, `stop_reason` and `logprobs` above are choice 0's. Empty from a summary made
@@ -108,5 +111,15 @@ class PromptLogprobs:
     prompt_logprobs: Sequence[TokenLogprob]
 
 
-PipelineEvent = StageEvent | PromptLogprobs | TokenStep | AskSummary
-Emit = Callable[[StageEvent | PromptLogprobs | TokenStep], None]
+@dataclass(frozen=True)
+class PromptTokenIds:
+    """The prompt's token ids (`AskSummary.prompt_token_ids`, the same list), sent once prefill has
+    them, before the answer's first token, for a request that asked
+    (`GenerationConfig.return_prompt_token_ids`): what a stream's first chunks carry, as vLLM's.
+    Other consumers may skip it (the summary has the list too)."""
+
+    prompt_token_ids: list[int]
+
+
+PipelineEvent = StageEvent | PromptLogprobs | PromptTokenIds | TokenStep | AskSummary
+Emit = Callable[[StageEvent | PromptLogprobs | PromptTokenIds | TokenStep], None]

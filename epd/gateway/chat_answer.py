@@ -51,8 +51,9 @@ def completion_body(
     answer parts and counts its steps; by token id with the served model's ids, `read_marker_ids`);
     `tool_choice` (`ChatRequest.tool_choice`) takes the content's tool calls into the message's
     `tool_calls` (`epd.gateway.tool_parsers`); `return_token_ids` (`ChatRequest`'s) lists each
-    choice's token ids; neither they nor the logprobs with the reasoning left out under a parser
-    (`parser_on`, `ChatRequest`'s: `hides_token_metadata`)."""
+    choice's token ids and the prompt's (null otherwise, as vLLM's); neither the choices' ids nor
+    the logprobs with the reasoning left out under a parser (`parser_on`, `ChatRequest`'s:
+    `hides_token_metadata`)."""
     parted = None
     if thinking is not None:
         if steps is None:
@@ -69,7 +70,7 @@ def completion_body(
                 "logprobs": None if choice.logprobs is None or hidden else chat_logprobs(choice.logprobs),
                 "finish_reason": tool_finish_reason(tool_choice, num_calls, choice.finish_reason or "stop"),
                 "stop_reason": choice.stop_reason,
-                **({"token_ids": choice.token_ids} if return_token_ids and not hidden else {}),
+                "token_ids": choice.token_ids if return_token_ids and not hidden else None,  # vLLM's null
             }
         )
     return {
@@ -81,6 +82,8 @@ def completion_body(
         "usage": usage(summary, None if parted is None else parted.num_reasoning_tokens),
         # vLLM's: None for the first prompt token, then each token's (only when asked).
         "prompt_logprobs": prompt_logprobs_json(summary.prompt_logprobs),
+        # vLLM's, with return_token_ids (the reasoning's hiding leaves them: they are the prompt's)
+        "prompt_token_ids": summary.prompt_token_ids if return_token_ids else None,
         "epd": epd_details(summary),
     }
 

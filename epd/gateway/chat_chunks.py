@@ -12,9 +12,13 @@ a parser) making no chunk unless it carries logprobs or asked-for token ids; eac
 reason on the chunk of its final step (its parsers' held-back tails joined to it), sent as it
 finishes while others go on, the last one's with the summary, which it carries as `epd`
 details; with stream_options include_usage a last chunk of no choices with the usage. Chunks list
-their tokens' ids (`token_ids`) only with vLLM's `return_token_ids`; neither ids nor logprobs with
-`include_reasoning` false under a parser (reasoning, or auto tool alone), as vLLM's. Every chunk carries `usage`:
-null with include_usage, the usage so far with continuous_usage_stats too.
+their tokens' ids (`token_ids`) only with vLLM's `return_token_ids` (null otherwise: every chunk of
+tokens, as vLLM's; chat's role and echo chunks have no such field); neither ids nor logprobs with
+`include_reasoning` false under a parser (reasoning, or auto tool alone), as vLLM's. Each choice's
+first chunk carries the prompt's ids (`prompt_token_ids`, null unless asked): chat's role chunk at
+its top, a completion's in its choice (with `echo` the chunk joining the echo to the first step),
+where its other chunks have null, as vLLM's. Every chunk carries `usage`: null with include_usage,
+the usage so far with continuous_usage_stats too.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from epd.gateway.ask_types import AskSummary, PromptLogprobs
+from epd.gateway.ask_types import AskSummary, PromptLogprobs, PromptTokenIds
 from epd.gateway.chat_answer import hides_token_metadata
 from epd.gateway.chat_request import ChatRequest
 from epd.gateway.completions_protocol import text_completion_chunk
@@ -39,9 +43,9 @@ from epd.stages.names import Stage
 
 class ChatChunks:
     """One streamed answer's chunk bodies: `note` the events before its tokens (prefill's prompt
-    token count, the prompt's logprobs), then each choice's `opening` and chat's `echo`, each token
-    step's chunk (`add`) and the end's (`finish`). `thinking` None: no reasoning parser;
-    `read_marker_ids`: reads the think markers' token ids, by which the reasoning tokens are
+    token count, the prompt's logprobs and token ids), then each choice's `opening` and chat's
+    `echo`, each token step's chunk (`add`) and the end's (`finish`). `thinking` None: no reasoning
+    parser; `read_marker_ids`: reads the think markers' token ids, by which the reasoning tokens are
     counted, at each choice's first token (None, or not known then: by the text)."""
 
     def __init__(
@@ -67,6 +71,9 @@ class ChatChunks:
         # The prompt's, when prefill computed them (`PromptLogprobs`): a completion's echo with
         # logprobs streams them with the prompt's text.
         self.prompt_logprobs: Sequence[TokenLogprob] | None = None
+        # The prompt's ids, when prefill sent them (`PromptTokenIds`): each choice's first chunk's.
+        self.prompt_token_ids: list[int] | None = None
+        self.begun: set[int] = set()  # the choices whose first chunk went out, by index
         # Each choice's text parted into reasoning and content, by index (with --reasoning-parser),
         # and the reasoning tokens of those finished (the final usage's).
         self.parted = (
@@ -89,11 +96,13 @@ class ChatChunks:
         # The last choice's final step's chunks, held back by `add` until the summary's details.
         self.last_chunks: list[dict[str, Any]] = []
 
-    def note(self, event: StageEvent | PromptLogprobs) -> None:
+    def note(self, event: StageEvent | PromptLogprobs | PromptTokenIds) -> None:
         """An event before the tokens: prefill's "finished" (the prompt's token count, for
-        continuous usage) or the prompt's logprobs (a completion's echo streams them)."""
+        continuous usage), the prompt's logprobs (a completion's echo streams them) or its token ids."""
         if isinstance(event, PromptLogprobs):
             self.prompt_logprobs = event.prompt_logprobs
+        elif isinstance(event, PromptTokenIds):
+            self.prompt_token_ids = event.prompt_token_ids
         elif event.stage == Stage.PREFILL and event.state == "finished":
             self.num_prompt_tokens = int(event.details.get("num_prompt_tokens", 0))
 
@@ -104,7 +113,9 @@ class ChatChunks:
             return []
         role = {"role": self.chat.response_role, "content": ""}
         return [
-            self._with_usage(chunk_body(self.request_id, self.chat.model, self.created, role, index=index))
+            self._framed(
+                chunk_body(self.request_id, self.chat.model, self.created, role, index=index, opening=True)
+            )
         ]
 
     @property
@@ -119,13 +130,20 @@ class ChatChunks:
 
     def echo(self, index: int) -> list[dict[str, Any]]:
         """Choice `index`'s echoed text in a chat answer, in a chunk of its own after the role's as
-        vLLM's chat streams it, with no logprobs (none without `echo`; a completion's echo joins
-        its first step's chunk, `add`)."""
+        vLLM's chat streams it, with no logprobs and no `token_ids` field (none without `echo`; a
+        completion's echo joins its first step's chunk, `add`)."""
         if self.chat.raw_prompt is not None or not (echoed := self.chat.echoed_text):
             return []
         return [
-            self._with_usage(
-                chunk_body(self.request_id, self.chat.model, self.created, {"content": echoed}, index=index)
+            self._framed(
+                chunk_body(
+                    self.request_id,
+                    self.chat.model,
+                    self.created,
+                    {"content": echoed},
+                    index=index,
+                    opening=True,
+                )
             )
         ]
 
@@ -174,7 +192,7 @@ class ChatChunks:
                 self.echo_held = echoed
                 return []
             chunks = self._finish_choice(step.index, step.finish_reason, step.stop_reason, chunks)
-        return [self._with_usage(chunk) for chunk in chunks]
+        return [self._framed(chunk) for chunk in chunks]
 
     def finish(self, summary: AskSummary) -> list[dict[str, Any]]:
         """The answer's end: the choices not finished yet (the last one's final step, held back by
@@ -201,7 +219,7 @@ class ChatChunks:
                     "usage": usage(summary, None if self.thinking is None else self.reasoning_tokens),
                 }
             )
-        return [self._with_usage(chunk) for chunk in chunks]
+        return [self._framed(chunk) for chunk in chunks]
 
     @property
     def metadata_hidden(self) -> bool:
@@ -255,7 +273,7 @@ class ChatChunks:
                 )
             ]
         if not chunks:
-            chunks = [_final_chunk(chat, self.request_id, self.created, index)]
+            chunks = [_final_chunk(chat, self.request_id, self.created, index, self._ids([]))]
         choice = chunks[-1]["choices"][0]
         choice["finish_reason"] = reason or "stop"
         choice["stop_reason"] = stop
@@ -263,10 +281,12 @@ class ChatChunks:
             chunks[-1]["epd"] = details
         return chunks
 
-    def _with_usage(self, chunk: dict[str, Any]) -> dict[str, Any]:
-        """`chunk` with the usage stream_options ask for, unless it has its own (the usage chunk's):
-        with continuous_usage_stats the usage so far (its choice's tokens), with include_usage
-        alone null."""
+    def _framed(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        """`chunk` as it goes out (every chunk goes through here, once, in the order sent): with
+        the usage stream_options ask for, unless it has its own (the usage chunk's): with
+        continuous_usage_stats the usage so far (its choice's tokens), with include_usage alone
+        null; and the prompt's ids on its choice's first chunk (`_with_prompt_ids`)."""
+        self._with_prompt_ids(chunk)
         if self.chat.continuous_usage:
             so_far = (
                 self.choice_tokens.get(chunk["choices"][0]["index"], 0)
@@ -283,14 +303,31 @@ class ChatChunks:
             )
         elif self.chat.include_usage:
             chunk.setdefault("usage", None)
+        if "prompt_token_ids" in chunk:  # after the usage, in vLLM's order of the fields
+            chunk["prompt_token_ids"] = chunk.pop("prompt_token_ids")
         return chunk
+
+    def _with_prompt_ids(self, chunk: dict[str, Any]) -> None:
+        """vLLM's `prompt_token_ids` on the first chunk of each choice (null unless asked): chat's
+        role chunk at its top (its other chunks have no such field), a completion's in its choice
+        (its other chunks' null, as vLLM writes every field of them)."""
+        if not chunk["choices"]:
+            return  # the usage chunk
+        choice = chunk["choices"][0]
+        first = choice["index"] not in self.begun
+        self.begun.add(choice["index"])
+        ids = self.prompt_token_ids if first and self.chat.return_token_ids else None
+        if self.chat.raw_prompt is not None:
+            choice["prompt_token_ids"] = ids
+        elif first:
+            chunk["prompt_token_ids"] = ids
 
     def cut(self) -> list[dict[str, Any]]:
         """The chunks `add` held back for the summary, without their finish reason, when the
         answer fails before it (the error event follows them)."""
         chunks, self.last_chunks = self.last_chunks, []
         self.echo_held = False
-        return [self._with_usage(chunk) for chunk in chunks]
+        return [self._framed(chunk) for chunk in chunks]
 
     def _echoed(self, step: TokenStep) -> dict[str, Any]:
         """A completion's first step of choice `index` under `echo`, as vLLM's stream makes it:
@@ -358,10 +395,10 @@ def _delta_chunk(
     delta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A streamed answer's chunk of new text for choice `index`: chat's delta, or a legacy
-    completion's text; `token_ids` None (no `token_ids` field): not asked for. `logprobs`: those
-    of `token_ids` when the request asked (a completion's first `text_offset` is the length of the
-    choice's text sent before this chunk, as vLLM streams it), with an echo the prompt's tokens'
-    first (the first with nulls).
+    completion's text; `token_ids` None: not asked for (null). `logprobs`: those of `token_ids`
+    when the request asked (a completion's first `text_offset` is the length of the choice's text
+    sent before this chunk, as vLLM streams it), with an echo the prompt's tokens' first (the first
+    with nulls).
     `delta`: chat's, the text parted by the reasoning parser (None: `{"content": text}`)."""
     if chat.raw_prompt is not None:
         return text_completion_chunk(
@@ -384,13 +421,15 @@ def _delta_chunk(
     )
 
 
-def _final_chunk(chat: ChatRequest, request_id: str, created: int, index: int | None) -> dict[str, Any]:
+def _final_chunk(
+    chat: ChatRequest, request_id: str, created: int, index: int | None, token_ids: list[int] | None = None
+) -> dict[str, Any]:
     """A chunk of no text for choice `index` (0 when None: the usage chunk's frame): the frame of a
-    choice's finish when its final step made no chunk."""
+    choice's finish when its final step made no chunk (`token_ids`: [] when asked, else None)."""
     index = index or 0
     if chat.raw_prompt is not None:
-        return text_completion_chunk(request_id, chat.model, created, "", index=index)
-    return chunk_body(request_id, chat.model, created, {}, index=index)
+        return text_completion_chunk(request_id, chat.model, created, "", token_ids=token_ids, index=index)
+    return chunk_body(request_id, chat.model, created, {}, token_ids=token_ids, index=index)
 
 
 def chunk_body(
@@ -403,10 +442,13 @@ def chunk_body(
     stop_reason: StopReason = None,
     logprobs: Sequence[TokenLogprob] | None = None,
     index: int = 0,
+    opening: bool = False,
 ) -> dict[str, Any]:
     """One `chat.completion.chunk` of choice `index`; `token_ids` (extra) are the tokens this chunk's
-    text came from, `logprobs` theirs when the request asked; `stop_reason` (vLLM's) is set on the
-    chunk with the finish reason."""
+    text came from, None (null) when not asked, `logprobs` theirs when the request asked;
+    `stop_reason` (vLLM's) is set on the chunk with the finish reason. `opening`: the role's or the
+    echo's chunk, which no generated token made: no `token_ids` field, as vLLM's (its other
+    chunks set the field, null when not asked)."""
     choice: dict[str, Any] = {
         "index": index,
         "delta": delta,
@@ -414,7 +456,7 @@ def chunk_body(
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,
     }
-    if token_ids is not None:
+    if not opening:
         choice["token_ids"] = token_ids
     return {
         "id": f"chatcmpl-{request_id}",

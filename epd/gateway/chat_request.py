@@ -109,8 +109,10 @@ class ChatRequest:
     as vLLM's; with `echo` too, it is the whole message, the given text first."""
     return_token_ids: bool = False
     """vLLM's `return_token_ids`: each choice lists its generated tokens' ids (`token_ids`), whole
-    or streamed (each chunk its step's); left out otherwise, as vLLM's. Not the prompt's ids
-    (vLLM's `prompt_token_ids`): the gateway does not hold them (prefill tokenises)."""
+    or streamed (each chunk its step's), and the answer the prompt's (`prompt_token_ids`: chat's at
+    the top, a completion's in each choice; a stream's in each choice's first chunk), which prefill
+    sends back for it (`GenerationConfig.return_prompt_token_ids`: the gateway has no tokenizer);
+    null otherwise, where vLLM writes them null."""
     include_reasoning: bool = True
     """vLLM's `include_reasoning`: false leaves a thinking model's reasoning out of the answer
     (with `--reasoning-parser`; without one the answer is the text whole, as vLLM's), and with any
@@ -234,12 +236,14 @@ def answer_options(
     if not isinstance(stream_options, dict):
         raise InvalidRequest("stream_options must be an object")
     include_usage = boolean_field(stream_options, "include_usage", False, "stream_options.include_usage")
+    return_token_ids = boolean_field(body, "return_token_ids", False)
     return {
         "model": model,
         "generation": replace(
             parse_generation(body, generation_defaults),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs_option(body, stream),
+            return_prompt_token_ids=return_token_ids,  # prefill sends them (vLLM's prompt_token_ids)
         ),
         "stream": stream,
         "include_usage": include_usage,
@@ -249,5 +253,5 @@ def answer_options(
         ),
         "cache_salt": check_cache_salt(checked_text(body.get("cache_salt"), "cache_salt")),
         "request_id": checked_text(body.get("request_id"), "request_id"),
-        "return_token_ids": boolean_field(body, "return_token_ids", False),
+        "return_token_ids": return_token_ids,
     }

@@ -159,8 +159,10 @@ def text_completion_body(
                 "finish_reason": choice.finish_reason or "stop",
                 "stop_reason": choice.stop_reason,
                 # vLLM's, with its return_token_ids: the generated tokens' (echo_only's one too)
-                **({"token_ids": choice.token_ids} if request.return_token_ids else {}),
+                "token_ids": choice.token_ids if request.return_token_ids else None,
                 "prompt_logprobs": prompt_logprobs_json(summary.prompt_logprobs),  # vLLM's, when asked
+                # vLLM's, each choice's (the one prompt's), with its return_token_ids
+                "prompt_token_ids": summary.prompt_token_ids if request.return_token_ids else None,
             }
             for choice in summary.all_choices()
         ],
@@ -181,16 +183,18 @@ def text_completion_chunk(
     index: int = 0,
 ) -> dict[str, Any]:
     """One streamed `text_completion` chunk of choice `index`; `token_ids` (extra) are the tokens
-    its text came from, `logprobs` their `completion_logprobs` object when the request asked."""
+    its text came from (None, null: not asked), `logprobs` their `completion_logprobs` object when
+    the request asked. vLLM writes every field of a completion's chunk: `prompt_token_ids` is
+    null here, the prompt's ids on a choice's first chunk when asked (`ChatChunks`)."""
     choice: dict[str, Any] = {
         "index": index,
         "text": text,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,
+        "prompt_token_ids": None,
+        "token_ids": token_ids,
     }
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
     return {
         "id": f"cmpl-{request_id}",
         "object": "text_completion",

@@ -31,7 +31,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
 
-from epd.gateway.ask_types import AskRequest, AskSummary, Emit, PipelineEvent, PromptLogprobs
+from epd.gateway.ask_types import AskRequest, AskSummary, Emit, PipelineEvent, PromptLogprobs, PromptTokenIds
 from epd.gateway.choice_progress import ChoiceProgress, after_sent, first_logprob
 from epd.gateway.decode_room import DECODE_ROOM_WAIT_S, decode_when_room
 from epd.gateway.kv_release import RELEASES_WAIT_S, release_kv, release_outcome, wait_for_releases
@@ -279,6 +279,15 @@ class Pipeline:
                     f"prefill answered {handle.num_choices} first tokens for a request of n={len(choices)} "
                     "choices: a prefill replica older than this gateway (it ignores n)"
                 )
+            if (
+                req.generation.return_prompt_token_ids
+                and handle.prompt_token_ids is None
+                and not handles[:-1]
+            ):
+                raise RuntimeError(
+                    "the request asked for the prompt's token ids and prefill sent none: a prefill replica "
+                    "older than this gateway (it ignores return_prompt_token_ids)"
+                )
             timings[Stage.PREFILL.value] = handle.prefill_ms
             emit(
                 StageEvent(
@@ -329,6 +338,8 @@ class Pipeline:
                 # Once, before the first token: a prefill again (a lost cache) scores the same prompt
                 # the same way.
                 emit(PromptLogprobs(first_handle.prompt_logprobs))
+            if first_handle.prompt_token_ids is not None:
+                emit(PromptTokenIds(first_handle.prompt_token_ids))
             t_gen = time.perf_counter()
             emit(StageEvent(Stage.GENERATE, "started"))
             run = _Run(req, request_id, emit, timings, elapsed_ms)
@@ -384,6 +395,7 @@ class Pipeline:
             logprobs=first_choice.logprobs,
             choices=[c.summary() for c in choices],
             prompt_logprobs=handle.prompt_logprobs,
+            prompt_token_ids=handle.prompt_token_ids,
         )
 
     def _send_first(self, run: _Run, handle: PrefillHandle, choice: ChoiceProgress) -> None:
@@ -509,13 +521,17 @@ class Pipeline:
         """Prefill's handle. `again`: a prefill again after a lost cache, which does not ask for the
         prompt's logprobs the first one answered: they would be the same, and asking makes prefill
         compute every position's logits without its prefix cache and send up to half a million
-        entries that the gateway would join only to drop. The call runs in a task of its own: a cancel that lands as it completes
+        entries that the gateway would join only to drop (nor its token ids: the same too). The call runs in a task of its own: a cancel that lands as it completes
         (the answer is in, this task not yet resumed) would lose the handle with this task, and
         its cache would stay stored until --kv-ttl; so the call's outcome is released instead.
         A call still running is cancelled (prefill then stores nothing, or releases what the RPC's
         cancel left stored, and the remote stage releases the handle it chose, in case the answer
         was already on its way)."""
-        generation = replace(req.generation, prompt_logprobs=None) if again else req.generation
+        generation = (
+            replace(req.generation, prompt_logprobs=None, return_prompt_token_ids=False)
+            if again
+            else req.generation
+        )
         call = asyncio.ensure_future(
             self.prefill.prefill(
                 req.messages,

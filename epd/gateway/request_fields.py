@@ -76,7 +76,7 @@ KNOWN_CHAT_FIELDS = {
     "media", "pruning", "cache_salt", "user", "metadata", "store", "service_tier",
     "request_id", "logit_bias", "stop_token_ids", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
     "skip_special_tokens", "spaces_between_special_tokens",
-    "return_token_ids",  # vLLM's: the choices' `token_ids` (not its `prompt_token_ids`)
+    "return_token_ids",  # vLLM's: the choices' `token_ids` and the prompt's `prompt_token_ids`
     "include_reasoning",  # vLLM's: read with `--reasoning-parser` (`epd.gateway.reasoning`)
     "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "chat_template", "echo",
     *STRUCTURED_FIELDS,

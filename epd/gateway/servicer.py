@@ -279,5 +279,6 @@ def summary_to_proto(s: AskSummary) -> gateway_pb2.AskSummary:
         kept_visual_token_index=s.kept_visual_token_index,
         num_reused_prompt_tokens=s.num_reused_prompt_tokens,
         logprobs=[convert.logprob_to_proto(lp) for lp in s.logprobs or ()],
+        prompt_token_ids=s.prompt_token_ids or (),
     )
     return convert.set_stop_reason(summary, s.stop_reason)

@@ -21,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from epd.gateway.ask_types import AskSummary, PipelineEvent, PromptLogprobs
+from epd.gateway.ask_types import AskSummary, PipelineEvent, PromptLogprobs, PromptTokenIds
 from epd.gateway.chat_chunks import ChatChunks
 from epd.gateway.http_errors import error_body, http_error_of
 from epd.gateway.json_answer import json_bytes
@@ -153,7 +153,7 @@ async def write_chat_events(
     try:
         async with aclosing(events):  # type: ignore[type-var]
             async for item in events:
-                if isinstance(item, (StageEvent, PromptLogprobs)):
+                if isinstance(item, (StageEvent, PromptLogprobs, PromptTokenIds)):
                     chunks.note(item)
                     continue  # stage events have no place in OpenAI's format
                 if not isinstance(item, (TokenStep, AskSummary)):
@@ -201,7 +201,7 @@ async def write_response_events(
         async with aclosing(events):  # type: ignore[type-var]
             async for item in events:
                 if not isinstance(item, (TokenStep, AskSummary)):
-                    continue  # stage events and prompt logprobs have no place in the format
+                    continue  # stage events and the prompt's logprobs and ids have no place in the format
                 if not stream.answering:
                     stream.answering = True  # no keep-alive from now on
                     await stream.begin()

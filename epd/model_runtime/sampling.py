@@ -313,6 +313,10 @@ class GenerationConfig:
     """vLLM's: under `--scheduling-policy priority` each stage serves its waiting requests lowest
     value first, ties in arrival order; under fcfs (the default) only 0 is taken
     (`epd.stages.scheduling`). Not a sampling setting, but it travels with them to every stage."""
+    return_prompt_token_ids: bool = False
+    """vLLM's `return_token_ids`, its prompt half: prefill sends back the prompt's token ids
+    (`PrefillHandle.prompt_token_ids`), which the gateway, holding no tokenizer, has no other way to
+    know. Not a sampling setting either: prefill's alone."""
 
     def validate(
         self, max_new_tokens_limit: int, vocab_size: int | None = None, max_logprobs: int | None = None

@@ -352,6 +352,11 @@ class PrefillHandle(Generic[T]):
     it, rank and top k (the first's logprob is NaN: `prompt_token_logprobs`), when the request asked
     (`GenerationConfig.prompt_logprobs`); at most `MAX_PROMPT_LOGPROB_ENTRIES` entries. For the
     gateway to send: `for_choice` leaves it out of what a decoder gets."""
+    prompt_token_ids: list[int] | None = None
+    """The prompt's token ids, in order (`num_prompt_tokens` of them: the prompt as the model ran
+    it, media placeholders included, whatever pruning dropped), when the request asked
+    (`GenerationConfig.return_prompt_token_ids`); else None. The gateway's to send (vLLM's
+    `prompt_token_ids`): `for_choice` leaves them out of what a decoder gets."""
 
     @property
     def num_choices(self) -> int:
@@ -360,7 +365,7 @@ class PrefillHandle(Generic[T]):
     def for_choice(self, index: int) -> PrefillHandle[T]:
         """The handle choice `index`'s decoder starts from: the same cache, that choice's first token."""
         if index == 0:
-            return replace(self, other_choices=[], prompt_logprobs=None)
+            return replace(self, other_choices=[], prompt_logprobs=None, prompt_token_ids=None)
         start = self.other_choices[index - 1]
         return replace(
             self,
@@ -369,6 +374,7 @@ class PrefillHandle(Generic[T]):
             first_logprob=start.first_logprob,
             other_choices=[],
             prompt_logprobs=None,
+            prompt_token_ids=None,
         )
 
     def decode_generation(self, generation: GenerationConfig) -> GenerationConfig:

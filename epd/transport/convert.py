@@ -167,6 +167,7 @@ def generation_from_proto(msg: common_pb2.GenerationParams, defaults: Generation
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         n=msg.n or 1,
         priority=msg.priority,  # its range and the stage's policy: `check_generation_limits`
+        return_prompt_token_ids=msg.return_prompt_token_ids,
         structured_outputs=structured_from_proto(msg.structured_outputs)
         if msg.HasField("structured_outputs")
         else None,
@@ -282,6 +283,7 @@ def handle_to_proto(h: PrefillHandle) -> prefill_pb2.PrefillResult:
         first_text=h.first_text,
         distinct_prompt_token_ids=h.distinct_prompt_token_ids,
         prompt_ends_reasoning=h.prompt_ends_reasoning,
+        prompt_token_ids=h.prompt_token_ids or (),
         max_new_tokens=h.max_new_tokens,
         first_logprob=None if h.first_logprob is None else logprob_to_proto(h.first_logprob),
         other_choices=[
@@ -355,6 +357,11 @@ class PrefillAnswer:
                     f"{handle.num_prompt_tokens}-token prompt; it sends one per prompt token"
                 )
             handle.prompt_logprobs = self.prompt_logprobs
+        if handle.prompt_token_ids is not None and len(handle.prompt_token_ids) != handle.num_prompt_tokens:
+            raise RuntimeError(
+                f"prefill sent {len(handle.prompt_token_ids)} prompt token ids for a "
+                f"{handle.num_prompt_tokens}-token prompt; it sends one per prompt token"
+            )
         return handle
 
 
@@ -383,6 +390,7 @@ def handle_from_proto(msg: prefill_pb2.PrefillResult, relay: bool = False) -> Pr
         first_text=msg.first_text if msg.HasField("first_text") else None,
         distinct_prompt_token_ids=list(msg.distinct_prompt_token_ids),
         prompt_ends_reasoning=msg.prompt_ends_reasoning,
+        prompt_token_ids=list(msg.prompt_token_ids) or None,  # a prompt is never empty: not asked
         max_new_tokens=msg.max_new_tokens,
         first_logprob=logprob_from_proto(msg.first_logprob) if msg.HasField("first_logprob") else None,
         other_choices=[

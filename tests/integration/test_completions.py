@@ -91,7 +91,7 @@ def streamed(events: list[dict], field: str = "text") -> tuple[str, list[int], d
     choices = [e["choices"][0] for e in events if e["choices"]]
     text = "".join(c[field] if field == "text" else c["delta"].get("content", "") for c in choices)
     final = next(c for c in choices if c["finish_reason"])
-    return text, [t for c in choices for t in c.get("token_ids", [])], final
+    return text, [t for c in choices for t in c.get("token_ids") or []], final
 
 
 @pytest.mark.parametrize("family", FAMILIES)

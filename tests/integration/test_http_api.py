@@ -117,7 +117,7 @@ def test_streaming_matches_grpc(client, grpc_client, media_files):
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     token_ids = [
-        t for c in chunks if c.choices for t in (c.choices[0].model_extra or {}).get("token_ids", [])
+        t for c in chunks if c.choices for t in (c.choices[0].model_extra or {}).get("token_ids") or []
     ]
     assert token_ids == expected.token_ids
     assert text == expected.answer
@@ -140,9 +140,11 @@ def test_the_epd_object_has_every_field_of_the_sdk_result_under_the_same_names(
     )  # fmt: skip
     sdk = expected.to_dict()
     # The answer is the message content, the logprobs the choice's (OpenAI's form), the prompt's
-    # vLLM's top-level prompt_logprobs; events and attempts are the gRPC call's own.
+    # logprobs and ids vLLM's top-level prompt_logprobs and prompt_token_ids; events and attempts
+    # are the gRPC call's own.
     names = set(sdk) - {
-        "answer", "logprobs", "prompt_logprobs", "events", "num_attempts", "media_num_bytes_sent", "request_id"
+        "answer", "logprobs", "prompt_logprobs", "prompt_token_ids", "events", "num_attempts",
+        "media_num_bytes_sent", "request_id"
     }  # fmt: skip
     assert names <= set(completion.epd), names - set(completion.epd)
     for name in names - {"timings_ms", "pruning", "encoder_cache_hit", "media_sha256"}:

@@ -267,6 +267,8 @@ def test_a_streamed_echo_with_logprobs_joins_to_the_whole_answer(shared_stack, t
     assert first_ids and first_ids == whole["token_ids"][: len(first_ids)]
     assert echo["text"].startswith(PROMPT) and len(echo["text"]) > len(PROMPT)  # the first step's text too
     assert len(echo["logprobs"]["tokens"]) == len(raw_ids) + len(first_ids)
+    # the prompt's ids come on the choice's first chunk, the echo's (vLLM's); later chunks' null
+    assert echo["prompt_token_ids"] == raw_ids and all(c["prompt_token_ids"] is None for c in chunks[1:])
     assert echo["logprobs"]["token_logprobs"][0] is None and echo["logprobs"]["top_logprobs"][0] is None
     for p in range(1, len(raw_ids)):
         assert close(echo["logprobs"]["token_logprobs"][p], float(raw_logprobs[p - 1, raw_ids[p]])), p

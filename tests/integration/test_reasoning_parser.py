@@ -102,12 +102,12 @@ def test_the_stack_parts_a_thinking_answer_into_reasoning_and_content(qwen3_5, t
         chunks = _stream(port, _body(allowed_token_ids=allowed, return_token_ids=True))
         assert (_joined(chunks, "reasoning"), _joined(chunks, "reasoning_content")) == (reasoning, reasoning)
         assert _joined(chunks, "content") == content
-        assert [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids", [])] == ids
+        assert [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids") or []] == ids
         assert chunks[-1]["usage"]["completion_tokens"] == len(ids)
         assert chunks[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": end}
         # No delta has content before the one with </think>'s token, nor reasoning after it.
         deltas = [
-            (c["choices"][0]["delta"], c["choices"][0].get("token_ids", []))
+            (c["choices"][0]["delta"], c["choices"][0].get("token_ids") or [])
             for c in chunks[1:]
             if c["choices"]
         ]

@@ -51,6 +51,7 @@ def full_summary() -> gateway_pb2.AskSummary:
         stop_string="\n",
         logprobs=[common_pb2.TokenLogprob(token_id=5, token="a", logprob=-0.5, top_logprobs=[
             common_pb2.TokenLogprob(token_id=5, token="a", logprob=-0.5)])],
+        prompt_token_ids=[151644, 872, 198],
     )  # fmt: skip
     return summary
 

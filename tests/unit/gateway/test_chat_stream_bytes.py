@@ -1,6 +1,6 @@
 """The bytes of streamed chat and legacy completion answers, pinned whole: each scenario's SSE text
 as a real HttpApi over real sockets sends it, its pipeline a script of the events a real one
-emits (prefill's event, the prompt's logprobs, token steps of n choices, the summary). Only
+emits (prefill's event, the prompt's logprobs and token ids, token steps of n choices, the summary). Only
 `created` (the clock's second) is blanked. The chunk shapes are vLLM's and are asserted field by
 field elsewhere (test_http_app.py, tests/integration/test_completions.py, test_n_choices.py, ...);
 this pins their exact order and spelling, so that moving the stream's code changes no byte."""
@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from epd.gateway.ask_types import AskSummary, ChoiceSummary, PromptLogprobs
+from epd.gateway.ask_types import AskSummary, ChoiceSummary, PromptLogprobs, PromptTokenIds
 from epd.gateway.config import GatewayConfig, HttpApiConfig
 from epd.gateway.http_api import HttpApi
 from epd.gateway.metrics import GatewayMetrics
@@ -55,8 +55,12 @@ class _Script(Pipeline):
 
 
 PREFILL = StageEvent(Stage.PREFILL, "finished", 1.0, {"num_prompt_tokens": "30"})
+# What a pipeline sends when the request asks (return_token_ids); the scenarios that do not ask get
+# it too, and must show none of it.
+PROMPT_IDS = PromptTokenIds([101, 102, 103])
 ANSWER = [
     PREFILL,
+    PROMPT_IDS,
     TokenStep([5], "a", logprobs=[_lp(5, "a", -0.5)]),
     TokenStep([6, 7], "bc", finish_reason="stop", stop_reason="###", logprobs=[_lp(6, "b", -1.0), _lp(7, "c", -1.5)]),
     _summary("abc", [5, 6, 7], stop_reason="###", logprobs=[_lp(5, "a", -0.5), _lp(6, "b", -1.0), _lp(7, "c", -1.5)]),
@@ -112,6 +116,7 @@ END_OF_SEQUENCE = [
 ECHO_ALONE = [
     PREFILL,
     PromptLogprobs(PROMPT_LOGPROBS),
+    PROMPT_IDS,
     TokenStep([5], " red", finish_reason="length", logprobs=[_lp(5, " red", -0.5)]),
     _summary(" red", [5], finish="length", logprobs=[_lp(5, " red", -0.5)], prompt_logprobs=PROMPT_LOGPROBS),
 ]
@@ -165,13 +170,13 @@ SCENARIOS: dict[str, tuple[HttpApiConfig, str, dict, _Script]] = {
         HttpApiConfig(port=0),
         "/v1/chat/completions",
         {"messages": [USER]},
-        _Script(ANSWER[:2], broken_stream("decode", 1, "req-1")),
+        _Script(ANSWER[:3], broken_stream("decode", 1, "req-1")),
     ),
     "chat, an error after the last token's step, before the summary": (
         HttpApiConfig(port=0),
         "/v1/chat/completions",
         {"messages": [USER]},
-        _Script(ANSWER[:3], broken_stream("decode", 3, "req-1")),
+        _Script(ANSWER[:4], broken_stream("decode", 3, "req-1")),
     ),
     "responses, reasoning and a tool call": (
         THINKING_TOOLS,
@@ -184,7 +189,7 @@ SCENARIOS: dict[str, tuple[HttpApiConfig, str, dict, _Script]] = {
         HttpApiConfig(port=0),
         "/v1/responses",
         {"input": "name a colour"},
-        _Script(ANSWER[:2], broken_stream("decode", 1, "req-1")),
+        _Script(ANSWER[:3], broken_stream("decode", 1, "req-1")),
     ),
     "completion n=2, echo with the prompt's logprobs, continuous usage": (
         HttpApiConfig(port=0),

@@ -123,6 +123,7 @@ def test_the_answer_is_a_text_completion_with_its_stop_reason():
             "stop_reason": "\n",
             "token_ids": [5, 6],
             "prompt_logprobs": None,  # vLLM's, when asked
+            "prompt_token_ids": None,  # vLLM's, when asked (this summary has none)
         }
     ]
     assert body["usage"]["prompt_tokens"] == 3 and body["usage"]["completion_tokens"] == 2

@@ -319,20 +319,30 @@ def _summary(token_ids: list[int], answer: str, num_prompt_tokens: int):
     )
 
 
+PROMPT_IDS = [151644, 872, 198]
+
+
 class _ScriptedPipeline(Pipeline):
-    """Answers every request with prefill's event, two tokens and the summary."""
+    """Answers every request with prefill's event, the prompt's ids when the request asks (as a
+    real pipeline, whose prefill sends them then), two tokens and the summary."""
 
     def __init__(self) -> None:
         super().__init__(None, None, None)  # type: ignore[arg-type]  # no stage: ask is the fake's
 
     async def ask(self, req):  # type: ignore[override]
+        from epd.gateway.ask_types import PromptTokenIds
         from epd.stages.contracts import StageEvent, TokenStep
         from epd.stages.names import Stage
 
+        asked = req.generation.return_prompt_token_ids
         yield StageEvent(Stage.PREFILL, "finished", 1.0, {"num_prompt_tokens": "30"})
+        if asked:
+            yield PromptTokenIds(PROMPT_IDS)
         yield TokenStep([5], "a")
         yield TokenStep([6, 7], "bc")
-        yield _summary([5, 6, 7], "abc", 30)
+        summary = _summary([5, 6, 7], "abc", 30)
+        summary.prompt_token_ids = PROMPT_IDS if asked else None
+        yield summary
 
 
 class _BrokenStreamPipeline(Pipeline):
@@ -574,7 +584,8 @@ def test_a_body_refused_for_one_of_its_fields_is_answered_under_the_id_it_names(
 
 def test_the_answers_token_ids_are_on_its_choices_only_when_asked_streamed_or_not():
     """vLLM's `return_token_ids`: each choice lists its tokens' ids, whole or streamed (each chunk
-    its step's); without it neither does (every streamed chunk had them), only `epd.token_ids`."""
+    its step's); without it they are null, as vLLM writes them (every streamed chunk had them;
+    then the field was left out), the ids only in `epd.token_ids`."""
     import json
 
     content = [
@@ -585,10 +596,55 @@ def test_the_answers_token_ids_are_on_its_choices_only_when_asked_streamed_or_no
     answer = json.loads(_post_chat(_ScriptedPipeline(), body))
     assert answer["choices"][0]["token_ids"] == [5, 6, 7] == answer["epd"]["token_ids"]
     streamed = _stream_chunks({}, return_token_ids=True)
-    assert [t for c in streamed for t in c["choices"][0].get("token_ids", [])] == [5, 6, 7]
+    assert [t for c in streamed for t in c["choices"][0].get("token_ids") or []] == [5, 6, 7]
     plain = json.loads(_post_chat(_ScriptedPipeline(), {**body, "return_token_ids": False}))
-    assert "token_ids" not in plain["choices"][0] and plain["epd"]["token_ids"] == [5, 6, 7]
-    assert not [c for c in _stream_chunks({}) if c["choices"] and "token_ids" in c["choices"][0]]
+    assert plain["choices"][0]["token_ids"] is None and plain["epd"]["token_ids"] == [5, 6, 7]
+    chunks = _stream_chunks({})
+    # vLLM's: the role chunk has no token_ids field, every chunk of tokens a null one
+    assert "token_ids" not in chunks[0]["choices"][0]
+    assert [c["choices"][0]["token_ids"] for c in chunks[1:]] == [None, None, None]
+
+
+def test_the_prompts_token_ids_are_in_the_answer_only_when_asked_as_vllm_places_them():
+    """vLLM's `return_token_ids` gives the prompt's ids too (`prompt_token_ids`), which prefill
+    sends the gateway (it has no tokenizer) only when asked: chat's at the answer's top, whole or
+    in its role chunk alone; a completion's in its choice, whole or in the choice's first chunk
+    (its later chunks' null). Not asked: null where vLLM writes the field."""
+    import json
+
+    chat = {"messages": [{"role": "user", "content": "q"}]}
+    answer = json.loads(_post_chat(_ScriptedPipeline(), {**chat, "return_token_ids": True}))
+    assert answer["prompt_token_ids"] == PROMPT_IDS and "prompt_token_ids" not in answer["choices"][0]
+    assert json.loads(_post_chat(_ScriptedPipeline(), chat))["prompt_token_ids"] is None
+    chunks = _stream_chunks({}, return_token_ids=True)
+    assert (
+        chunks[0]["prompt_token_ids"] == PROMPT_IDS
+        and chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    )
+    assert not [c for c in chunks[1:] if "prompt_token_ids" in c]
+    chunks = _stream_chunks({})
+    assert chunks[0]["prompt_token_ids"] is None and not [c for c in chunks[1:] if "prompt_token_ids" in c]
+
+    completion = {"prompt": "q", "return_token_ids": True}
+    text = _post_chat(_ScriptedPipeline(), completion, path="/v1/completions")
+    choice = json.loads(text)["choices"][0]
+    assert (choice["prompt_token_ids"], choice["token_ids"]) == (PROMPT_IDS, [5, 6, 7])
+    plain = json.loads(
+        _post_chat(_ScriptedPipeline(), {**completion, "return_token_ids": False}, path="/v1/completions")
+    )
+    assert (plain["choices"][0]["prompt_token_ids"], plain["choices"][0]["token_ids"]) == (None, None)
+    for asked in (True, False):
+        text = _post_chat(
+            _ScriptedPipeline(),
+            {**completion, "stream": True, "return_token_ids": asked},
+            path="/v1/completions",
+        )
+        chunks = [
+            json.loads(e.removeprefix("data: ")) for e in text.split("\n\n") if e and e != "data: [DONE]"
+        ]
+        ids = [c["choices"][0]["prompt_token_ids"] for c in chunks]
+        assert ids == [PROMPT_IDS if asked else None] + [None] * (len(chunks) - 1), ids
+        assert [c["choices"][0]["token_ids"] for c in chunks] == ([[5], [6, 7], []] if asked else [None] * 3)
 
 
 class _ModelLoadFailsPipeline(Pipeline):

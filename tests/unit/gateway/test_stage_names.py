@@ -95,6 +95,7 @@ def domain_summary() -> AskSummary:
         stop_reason=151643, logprobs=[TokenLogprob(1, "a", -0.5, (TopLogprob(1, "a", -0.5),)),
                                       TokenLogprob(2, "b", -1.25, (TopLogprob(3, "c", -1.0),))],
         prompt_logprobs=[TokenLogprob(4, "d", -2.5, (TopLogprob(1, "a", -0.75),), rank=9)],
+        prompt_token_ids=[151644, 872, 198],
     )  # fmt: skip
 
 
@@ -109,6 +110,7 @@ def test_the_grpc_summary_carries_every_field_of_the_pipelines_summary():
     assert result.grid_thw == (2, 4, 6) and result.kept_visual_token_index == [0, 3]
     assert result.num_reused_prompt_tokens == 52
     assert result.logprobs == domain_summary().logprobs
+    assert result.prompt_token_ids == domain_summary().prompt_token_ids
     # The prompt's come before the summary, in pieces (`AskResponse.prompt_logprobs`).
     pieces = list(convert.prompt_logprobs_pieces(domain_summary().prompt_logprobs or ()))
     joined = [convert.logprob_from_proto(lp) for piece in pieces for lp in piece.logprobs]
@@ -123,11 +125,13 @@ def test_the_http_epd_object_has_the_sdk_results_names():
     http = epd_details(summary)
     sdk = result_from_proto(summary_to_proto(summary), []).to_dict()
     # The answer is OpenAI's message content, the logprobs OpenAI's choice's and the prompt's
-    # vLLM's top-level prompt_logprobs (logprobs_protocol); events and attempts exist on gRPC only.
+    # vLLM's top-level prompt_logprobs (logprobs_protocol), the prompt's ids vLLM's prompt_token_ids
+    # (with return_token_ids); events and attempts exist on gRPC only.
     shared = set(sdk) - {
         "answer",
         "logprobs",
         "prompt_logprobs",
+        "prompt_token_ids",
         "events",
         "num_attempts",
         "media_num_bytes_sent",

@@ -100,6 +100,7 @@ def _handle() -> PrefillHandle:
         kv_address="prefill-0:50052",
         first_logprob=_logprob(42),
         prompt_logprobs=[dataclasses.replace(_logprob(3), rank=12), _logprob(4)],
+        prompt_token_ids=[151644 - i for i in range(90)],  # num_prompt_tokens of them
     )
 
 
@@ -272,6 +273,22 @@ def test_prefill_handle_round_trips_through_the_proto():
         )
 
 
+def test_prefills_prompt_token_ids_come_back_only_when_sent_and_whole():
+    """The prompt's ids (asked by return_prompt_token_ids) cross in the result; none sent is None
+    (a prompt is never empty), and a count other than the prompt's tokens is prefill's fault."""
+    handle = dataclasses.replace(_handle(), prompt_logprobs=None)
+    assert handle.prompt_token_ids is not None
+    assert _prefill_answer(handle).handle().prompt_token_ids == handle.prompt_token_ids
+    assert (
+        _prefill_answer(dataclasses.replace(handle, prompt_token_ids=None)).handle().prompt_token_ids is None
+    )
+    short = dataclasses.replace(handle, prompt_token_ids=handle.prompt_token_ids[:-1])
+    with pytest.raises(RuntimeError, match="89 prompt token ids for a 90-token prompt"):
+        _prefill_answer(short).handle()
+    # A decoder never gets them, nor the prompt's logprobs: the gateway's to send.
+    assert handle.for_choice(0).prompt_token_ids is None and handle.for_choice(1).prompt_token_ids is None
+
+
 def test_a_long_prompts_logprobs_cross_in_pieces_under_the_message_limit():
     """10,000 prompt tokens with 20 top tokens each: over 4 MiB, which one message cannot carry
     (prefill refused such a request before it ran). They go in pieces of at most
@@ -284,7 +301,9 @@ def test_a_long_prompts_logprobs_cross_in_pieces_under_the_message_limit():
     logprobs = [
         TokenLogprob(100_000 + i, f"prompt{i:05d}", -1.25 - i, top, rank=1 + i) for i in range(num_tokens)
     ]
-    handle = dataclasses.replace(_handle(), num_prompt_tokens=num_tokens, prompt_logprobs=logprobs)
+    handle = dataclasses.replace(
+        _handle(), num_prompt_tokens=num_tokens, prompt_logprobs=logprobs, prompt_token_ids=None
+    )
     responses = _prefill_responses(handle)
     pieces = [r for r in responses if r.WhichOneof("kind") == "prompt_logprobs"]
     assert responses[-1].WhichOneof("kind") == "result" and responses[:-1] == pieces
@@ -310,7 +329,9 @@ def test_joined_prompt_logprobs_are_not_objects_the_garbage_collector_walks():
         )
         for i in range(num_tokens)
     ]
-    handle = dataclasses.replace(_handle(), num_prompt_tokens=num_tokens, prompt_logprobs=logprobs)
+    handle = dataclasses.replace(
+        _handle(), num_prompt_tokens=num_tokens, prompt_logprobs=logprobs, prompt_token_ids=None
+    )
     wire = [r.SerializeToString() for r in _prefill_responses(handle)]
     assert len(wire) > 3 and sum(map(len, wire)) > 2 * PROMPT_LOGPROBS_PIECE_BYTES  # pieces and the result
 

@@ -115,6 +115,7 @@ def test_every_generation_setting_crosses_the_wire():
         prompt_logprobs=0,  # as logprobs: 0 is asked
         n=3,
         priority=-2,
+        return_prompt_token_ids=True,
         structured_outputs=StructuredOutputs(
             choice=("a", "b c"), disable_any_whitespace=True, after_reasoning=True
         ),
