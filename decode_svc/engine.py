@@ -20,10 +20,10 @@ import torch
 from epd.decode_svc.eviction import DecodeEviction
 from epd.model_runtime.adapter import VLMAdapter
 from epd.model_runtime.detokenizer import OutputText
+from epd.model_runtime.grammar_state import CompiledGrammar
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.logprobs import RowLogprobs, TokenLogprob, rows_logprobs, token_logprob
 from epd.model_runtime.sampling import GenerationConfig, Sampler
-from epd.model_runtime.structured_output import CompiledGrammar
 from epd.stages.contracts import TokenStep, bad_words_token_ids
 from epd.stages.errors import InvalidRequest
 from epd.token_pruning import PruningConfig

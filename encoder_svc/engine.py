@@ -49,17 +49,18 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Protocol, TypeVar
+from collections.abc import Generator
+from dataclasses import asdict, replace
+from typing import Protocol
 
 import torch
 
 from epd.encoder_svc.config import EncoderConfig
+from epd.encoder_svc.driver import PendingFeatures, Request, RunModel, RunTower, run_here
 from epd.encoder_svc.pruning import encode_stage_pruning
 from epd.encoder_svc.single_flight import Interest, SingleFlight, flight_id
 from epd.encoder_svc.token_cache import TokenCache, make_cache_key
-from epd.model_runtime.adapter import VisionInputs, VisualFeatures, VisualMeta, VLMAdapter
+from epd.model_runtime.adapter import VisionInputs, VisualMeta, VLMAdapter
 from epd.stages.contracts import (
     EncodedMedia,
     EventSink,
@@ -71,7 +72,7 @@ from epd.stages.contracts import (
 from epd.stages.errors import InvalidRequest, NotFound, ResourceExhausted
 from epd.stages.names import Stage
 from epd.stages.request_id import shared_work_context
-from epd.token_pruning import PruningConfig, PruningStats
+from epd.token_pruning import PruningConfig
 from epd.video.decord_backend import DecordDecoder
 from epd.video.parallel_decoder import CLOSE_WAIT_S as PARALLEL_CLOSE_WAIT_S
 from epd.video.parallel_decoder import ParallelDecoder
@@ -84,51 +85,6 @@ SOURCE_DURATION_FACT = "source_duration_s"
 """What a token-cache entry records of its media besides the tokens: the whole video's duration
 (0 for an image), so that a hit is held to --max-duration-s as a miss is (`EncoderEngine._cached`)."""
 
-T = TypeVar("T")
-
-RunModel = Callable[..., Any]
-"""run_model(fn, *args) -> fn(*args), run where this process runs model work (the model thread),
-blocking the caller until it is done."""
-
-
-TOWER_POLL_S = 0.05
-"""How often a driver waiting for a tower job looks at its work's cancel flag: a work that nobody
-wants any more (its leader left, then its last waiter) stops within this even mid-wait."""
-
-
-class PendingFeatures(Protocol):
-    """A frame group submitted to the vision tower: `result(timeout_s)` blocks the driver until its
-    features are back (raises TimeoutError past `timeout_s`, RequestCancelled when the request is
-    cancelled meanwhile); `cancel()` takes it out of the tower's queue."""
-
-    def result(self, timeout_s: float | None = None) -> VisualFeatures: ...
-
-    def cancel(self) -> None: ...
-
-
-RunTower = Callable[[VisionInputs, int], PendingFeatures]
-"""run_tower(inputs, group_index) -> the group's pending features (embeddings [group_tokens,
-hidden] and any DeepStack features of the same shape): queued with other requests' groups (and
-this request's earlier ones) for the vision tower, without waiting."""
-
-
-@dataclass
-class _Done:
-    """Features computed already (no engine core: tests, benchmarks)."""
-
-    features: VisualFeatures
-
-    def result(self, timeout_s: float | None = None) -> VisualFeatures:
-        return self.features
-
-    def cancel(self) -> None:
-        pass
-
-
-def run_here(fn: Callable[..., T], *args: Any) -> T:
-    """The RunModel of a caller that owns the model outright (tests, benchmarks)."""
-    return fn(*args)
-
 
 class FrameSource(Protocol):
     """What the driver needs to know of a sample before its first frame group."""
@@ -139,59 +95,6 @@ class FrameSource(Protocol):
     is_image: bool
     timestamps_s: list[float]
     duration_s: float
-
-
-@dataclass
-class _Request:
-    """One encode on its driver thread: how to reach the model, and its cancel flag."""
-
-    run_model: RunModel
-    run_tower: RunTower | None
-    cancel: threading.Event
-    num_groups_done: int = 0
-    model_s: float = 0.0
-    """Wall time of this request's preprocessing and model calls (tower jobs, pruning), queueing
-    for the model included."""
-    stats: PruningStats = field(default_factory=PruningStats)
-    source_duration_s: float = 0.0
-    """The whole video's duration (0 for an image), kept with its cache entry (`CACHE_FACTS`)."""
-
-    def check_cancelled(self) -> None:
-        if self.cancel.is_set():
-            raise RequestCancelled(f"cancelled after {self.num_groups_done} frame groups")
-
-    def model(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn(*args)` on the model thread, unless the request is (or gets, while queued) cancelled."""
-        self.check_cancelled()
-
-        def guarded() -> T:
-            self.check_cancelled()  # cancelled while it waited for the model thread
-            return fn(*args)
-
-        t0 = time.perf_counter()
-        try:
-            return self.run_model(guarded)
-        finally:
-            self.model_s += time.perf_counter() - t0
-
-    def submit_tower(self, adapter: VLMAdapter, inputs: VisionInputs) -> PendingFeatures:
-        """Queue the group for the tower (a tower job of the stage's core), or encode it now, alone,
-        on `run_model`."""
-        if self.run_tower is None:
-            return _Done(self.model(adapter.encode_features, inputs))
-        self.check_cancelled()
-        return self.run_tower(inputs, self.num_groups_done)
-
-    def wait(self, pending: PendingFeatures) -> VisualFeatures:
-        t0 = time.perf_counter()
-        try:
-            while True:
-                try:
-                    return pending.result(TOWER_POLL_S)
-                except TimeoutError:
-                    self.check_cancelled()
-        finally:
-            self.model_s += time.perf_counter() - t0
 
 
 class EncoderEngine:
@@ -266,7 +169,7 @@ class EncoderEngine:
             self.adapter.family, self.adapter.supported_pruning, self.adapter.pruning_refusal_reason, pruning
         )
         interest = interest or Interest()
-        req = _Request(run_model, run_tower, interest.cancel)
+        req = Request(run_model, run_tower, interest.cancel)
         # Bytes that were sent are hashed here: a client's hash is trusted only as a reference.
         sha256 = hashlib.sha256(media.data).hexdigest() if media.data is not None else media.sha256
         if media.data is not None and media.sha256 and media.sha256 != sha256:
@@ -430,7 +333,7 @@ class EncoderEngine:
 
     def _decode_and_encode(
         self,
-        req: _Request,
+        req: Request,
         data: bytes,
         sha256: str,
         sampling: SamplingOptions,
@@ -457,7 +360,7 @@ class EncoderEngine:
 
     def _encode_frames(
         self,
-        req: _Request,
+        req: Request,
         data: bytes,
         sha256: str,
         sampling: SamplingOptions,
@@ -567,7 +470,7 @@ class EncoderEngine:
 
     def _preprocess(
         self,
-        req: _Request,
+        req: Request,
         video: DecodedVideo,
         num_frames: int,
         frames_done: int,

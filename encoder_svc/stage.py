@@ -23,7 +23,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from epd.encoder_svc.engine import EncoderEngine, PendingFeatures
+from epd.encoder_svc.driver import PendingFeatures
+from epd.encoder_svc.engine import EncoderEngine
 from epd.encoder_svc.runner import EncodeRunner
 from epd.encoder_svc.scheduler import EncodeScheduler, TowerJob
 from epd.encoder_svc.single_flight import Interest

@@ -26,8 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+from epd.model_runtime.grammar_state import CompiledGrammar
 from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs
-from epd.model_runtime.structured_output import CompiledGrammar, close_compiler, compile_for
+from epd.model_runtime.structured_output import close_compiler, compile_for
 from epd.model_runtime.threads import pin_torch_threads
 from epd.prefill_svc.engine import PrefillEngine
 from epd.prefill_svc.first_token import PrefillOutput

@@ -46,7 +46,8 @@ def build_qwen3_vl_moe_checkpoint(directory):
     a sparse MoE block (`QWEN3_VL_MOE_TEXT`), saved as `build_checkpoint` saves the others."""
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
-    from epd.model_runtime.tiny_model import TinyVLMSpec, build_model, build_processor, scale_weights
+    from epd.model_runtime.tiny_model import TinyVLMSpec, build_model, build_processor
+    from epd.model_runtime.tiny_parts import scale_weights
 
     spec = TinyVLMSpec(family="qwen3_vl")
     processor = build_processor(spec)

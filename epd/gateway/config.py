@@ -109,7 +109,7 @@ class HttpApiConfig:
     host: str = ""
     """Interface to bind; "" means the gRPC server's host."""
     api_keys: tuple[str, ...] = ()
-    """When any is set, the HTTP paths vLLM's key guards (`http_api.KEYED_PATH_PREFIXES`: /v1 and
+    """When any is set, the HTTP paths vLLM's key guards (`http_checks.KEYED_PATH_PREFIXES`: /v1 and
     the rest), the web demo's POST /demo/frames and the gRPC GatewayService need
     `Authorization: Bearer <key>` with one of them (HTTP /health and /metrics and the gRPC health
     service stay open for probes). Each key is its own cache tenant

@@ -42,33 +42,35 @@ arrived within --body-timeout.
 Every request runs under a request id (epd/transport/tracing.py): the client's `x-request-id`
 header when usable, else the body's (vLLM's) `request_id` when usable, else a new one. It is the pipeline's request id (so every stage logs it), it
 comes back in the `x-request-id` response header, and every error message ends with it.
+
+Beside it: the checks a request passes before its handler (http_checks.py), a request's media
+loaded (http_media.py), the error responses (http_error_responses.py), and the server that serves
+this app and stops it (http_server.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 
 from epd import __version__
+from epd.gateway import http_checks
 from epd.gateway.admission import (
-    RETRY_AFTER_S,
     Admission,
     Overloaded,
     max_body_bytes,
     peer_host,
 )
 from epd.gateway.ask_types import AskRequest, AskSummary, PipelineEvent
-from epd.gateway.browser_guard import cross_site_browser_request, rebound_host
 from epd.gateway.chat_answer import completion_body
 from epd.gateway.chat_chunks import ChatChunks
 from epd.gateway.chat_request import ChatRequest, parse_chat_request
@@ -79,23 +81,15 @@ from epd.gateway.completions_protocol import (
 from epd.gateway.config import GatewayConfig
 from epd.gateway.http_body import (
     AIOHTTP_HANDLER_ARGS,
-    SUPPORTED_ENCODINGS,
     TICKET_KEY,
     defer_continue,
-    not_json_content_type,
-    not_json_content_type_message,
     read_json_body,
-    unsupported_encoding,
-    unsupported_encoding_message,
-    unsupported_expect,
 )
-from epd.gateway.http_errors import error_body, http_error_of
+from epd.gateway.http_error_responses import aiohttp_error_response, exception_response, json_error
+from epd.gateway.http_media import load_request_media
 from epd.gateway.json_answer import json_answer
-from epd.gateway.media_fetch import decode_data_url, load_media
 from epd.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from epd.gateway.pipeline import Pipeline
-from epd.gateway.protocol_log import CLIENT_FAULTS, PROTOCOL_LOG
-from epd.gateway.readiness import InProcessHealth, StageHealth
 from epd.gateway.reasoning import (
     MarkerIds,
     constrained_after_reasoning,
@@ -118,14 +112,12 @@ from epd.gateway.tool_request import check_auto_tool_choice
 from epd.gateway.web.routes import BODY_ROUTES, add_demo_routes
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MediaInput, TokenStep
-from epd.stages.errors import InvalidRequest, ServerMisconfigured
+from epd.stages.errors import ServerMisconfigured
 from epd.stages.raw_prompt import check_raw_prompt
 from epd.stages.request_id import current_request_id
 from epd.transport import tracing
-from epd.transport.auth import any_key_matches, bearer_token, request_cache_salt
+from epd.transport.auth import bearer_token, request_cache_salt
 from epd.transport.internal_secrets import internal_secrets
-from epd.transport.security import server_ssl_context
-from epd.transport.server import CUT_MARGIN_S
 from epd.video.types import SamplingOptions
 
 log = logging.getLogger(__name__)
@@ -133,48 +125,11 @@ log = logging.getLogger(__name__)
 UNROUTED = "unmatched"
 """Name of the catch-all route, and the route label of requests it answers (metrics, logs)."""
 
-KEYED_PATH_PREFIXES = ("/v1", "/v2", "/inference", "/cohere", "/invocations", "/tokenize", "/detokenize")
-"""With --api-key, a path starting with one of these needs the key whether or not a route takes it
-(plain prefixes, as vLLM's AuthenticationMiddleware matches them): vLLM guards /v1, /v2, /inference
-and /cohere always and the prefix of every route it registers (/invocations, /tokenize), so a
-client without the key gets vLLM's 401 before a 404 for a vLLM path epd does not serve
-(/v1/embeddings, /invocations), and a path no vLLM serving a generative model has (/pooling,
-/classify, /sleep) a 404 there and here. Besides these, the POSTs of `BODY_ROUTES` (the web demo's)."""
-
 NotServing = Callable[[], Awaitable[list[str]]]
 """Returns the names of the stages that are not serving ([] = healthy)."""
 
 ParseRequest = Callable[[Any, str, SamplingOptions, GenerationConfig], ChatRequest]
 """A route's body parser (chat's, legacy completions'): (body, served model, defaults) -> request."""
-
-
-def json_error(status: int, message: str, error_type: str) -> web.Response:
-    """An OpenAI-style error; its message names the request id (`tracing.with_request_id`)."""
-    response = web.json_response(
-        error_body(tracing.with_request_id(message), error_type, status), status=status
-    )
-    if status == 429:
-        response.headers["Retry-After"] = str(RETRY_AFTER_S)
-    return response
-
-
-def aiohttp_error_response(exc: web.HTTPException) -> web.Response:
-    """aiohttp's own refusal (an unknown route, a wrong method, a body too large) as an
-    OpenAI-style JSON error; a 405 keeps its Allow header (the methods the path takes)."""
-    error_type = "request_too_large" if exc.status == 413 else "invalid_request_error"
-    message = exc.text if exc.status == 413 and exc.text else (exc.reason or "error")
-    response = json_error(exc.status, message, error_type)
-    if "Allow" in exc.headers:
-        response.headers["Allow"] = exc.headers["Allow"]
-    return response
-
-
-def exception_response(exc: BaseException) -> web.Response:
-    """The JSON error answer to a request that raised `exc` (a 500 logged with its traceback)."""
-    status, error_type, message = http_error_of(exc)
-    if status == 500:
-        log.exception("internal error in the HTTP API", exc_info=exc)
-    return json_error(status, message, error_type)
 
 
 class HttpApi:
@@ -236,7 +191,7 @@ class HttpApi:
             return await self._answer(request, handler)
 
     async def _answer(self, request: web.Request, handler) -> web.StreamResponse:
-        """A request's answer: refused before its handler runs (`_refusal`), or admitted (a body
+        """A request's answer: refused before its handler runs (`http_checks.refusal`), or admitted (a body
         route's ticket) and handled; a cancel answered as the stop's 503 when it may be
         (`_cut_response`), aiohttp's own refusals as JSON errors; then recorded (`_answered`)."""
         resource = request.match_info.route.resource
@@ -246,10 +201,10 @@ class HttpApi:
         started = time.perf_counter()
         ticket = None
         try:
-            if (refusal := self._refusal(request, route)) is not None:
+            if (refusal := http_checks.refusal(request, route, self.config)) is not None:
                 response: web.StreamResponse = refusal
             elif request.method == "POST" and route in BODY_ROUTES:
-                # With API keys, also counted per key (checked in `_refusal`): a tenant on many IPs.
+                # With API keys, also counted per key (checked in `http_checks.refusal`): a tenant on many IPs.
                 key = bearer_token([("authorization", request.headers.get("Authorization", ""))])
                 ticket = request[TICKET_KEY] = self.admission.admit(
                     peer_host(request.remote or "unknown"), key if self.config.http.api_keys else ""
@@ -270,51 +225,6 @@ class HttpApi:
                 ticket.close()
         self._answered(request, route, request_id, response, started, span)
         return response
-
-    def _refusal(self, request: web.Request, route: str) -> web.Response | None:
-        """The error a request gets before its handler runs (None: it may run), in this order: an
-        Expect other than 100-continue, a rebound host name, a cross-site browser's POST, a missing
-        or wrong API key, a content coding or (a body route's) content type not taken."""
-        if unsupported_expect(request):
-            return json_error(
-                417, "the only Expect this server supports is 100-continue", "invalid_request_error"
-            )
-        if rebound_host(request, self.config):
-            return json_error(
-                403,
-                "this gateway has no API key and serves loopback clients only: address it as localhost "
-                "or 127.0.0.1 (a proxy in front of it needs --api-key, or --no-api-key on a closed network)",
-                "permission_error",
-            )
-        if request.method == "POST" and route in BODY_ROUTES and cross_site_browser_request(request):
-            return json_error(
-                403,
-                "a page of another site may not call this server from a browser; call the API from "
-                "your server, or use this server's own page",
-                "permission_error",
-            )
-        if (
-            self.config.http.api_keys
-            and (request.path.startswith(KEYED_PATH_PREFIXES) or route in BODY_ROUTES)
-            and not self._authorized(request)
-        ):  # the web demo's POST too: it decodes media
-            return json_error(
-                401,
-                "missing or wrong API key; send 'Authorization: Bearer <key>'",
-                "authentication_error",
-            )
-        if (encoding := unsupported_encoding(request)) is not None:
-            response = json_error(415, unsupported_encoding_message(encoding), "invalid_request_error")
-            # RFC 9110 15.5.16: a 415 for a content coding names the codings the server takes.
-            response.headers["Accept-Encoding"] = ", ".join(SUPPORTED_ENCODINGS)
-            return response
-        if (
-            request.method == "POST"
-            and route in BODY_ROUTES
-            and (content_type := not_json_content_type(request)) is not None
-        ):
-            return json_error(415, not_json_content_type_message(content_type), "invalid_request_error")
-        return None
 
     def _cut_response(self, request: web.Request, route: str, request_id: str) -> web.Response | None:
         """The answer to a request whose handler was cancelled: a 503 when the gateway's stop cut it
@@ -384,10 +294,6 @@ class HttpApi:
         if allowed:
             raise web.HTTPMethodNotAllowed(request.method, allowed)
         raise web.HTTPNotFound()
-
-    def _authorized(self, request: web.Request) -> bool:
-        token = bearer_token([("authorization", request.headers.get("Authorization", ""))])
-        return any_key_matches(token, self.config.http.api_keys)
 
     def _model_object(self) -> dict[str, Any]:
         """vLLM's model card (`ModelCard`): its `max_model_len` is the longest prompt plus answer a
@@ -466,7 +372,7 @@ class HttpApi:
         loaded, the pipeline asked, and its answer streamed or sent whole."""
         try:
             chat = await self._read_request(request, parse)
-            ask = self._ask_request(request, chat, await self._load_media(request, chat))
+            ask = self._ask_request(request, chat, await load_request_media(request, chat, self.config))
             events = self.pipeline.ask(ask)
             if chat.stream:
                 return await self._stream(request, chat, ask.request_id, events)
@@ -511,25 +417,6 @@ class HttpApi:
                 chat.raw_prompt.token_ids, current_request_id()
             )
         return chat
-
-    async def _load_media(self, request: web.Request, chat: ChatRequest) -> MediaInput | None:
-        """The media `chat` names (None: a text-only conversation, no encoder call): a data: URL's
-        bytes, a local file's or a fetched URL's (held on the request's ticket), and their hash."""
-        # Decoding and hashing take about 1 s per 64 MB of media: on a worker thread, so that the
-        # event loop (every other client's stream, both APIs) goes on meanwhile.
-        data = None
-        if chat.media_url.startswith("data:"):
-            data = await asyncio.to_thread(take_data_url_bytes, chat, self.config.max_upload_bytes)
-        elif chat.media_url:
-            # a file's or a fetch's bytes count as a body's
-            ticket = request.get(TICKET_KEY)
-            data = await load_media(
-                chat.media_url,
-                self.config.http.media,
-                self.config.max_upload_bytes,
-                ticket.reserve_bytes if ticket is not None else None,
-            )
-        return None if data is None else MediaInput(data, await asyncio.to_thread(sha256_hex, data))
 
     def _ask_request(self, request: web.Request, chat: ChatRequest, media: MediaInput | None) -> AskRequest:
         """The pipeline's request for `chat`, under the id its body names (when usable) and the
@@ -673,80 +560,3 @@ def log_summary(summary: AskSummary) -> None:
         num_tokens=sum(len(choice.token_ids) for choice in summary.all_choices()),  # every choice's
         finish_reason=summary.finish_reason,
     )
-
-
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()  # hashlib lets go of the GIL while it hashes
-
-
-def take_data_url_bytes(chat: ChatRequest, max_upload_bytes: int) -> bytes:
-    """The media of a base64 data: URL with few copies of a URL that may be hundreds of MB: its
-    ASCII bytes replace the text (taken out of `chat`, so the text is freed) and are decoded in
-    place (`epd.gateway.media_fetch.decode_data_url`)."""
-    try:
-        url = chat.media_url.encode("ascii")
-    except UnicodeEncodeError:
-        raise InvalidRequest("the data: URL must be ASCII: data:video/mp4;base64,<payload>") from None
-    chat.media_url = ""
-    return decode_data_url(url, max_upload_bytes)
-
-
-@dataclass
-class HttpServer:
-    runner: web.AppRunner
-    port: int
-    api: HttpApi
-    stage_health: StageHealth | InProcessHealth | None = None
-
-    async def stop(self, grace_s: float = 0.0, hurry: asyncio.Event | None = None) -> None:
-        """Stop listening, give the requests in flight `grace_s` (until `hurry` is set, the second
-        signal), then cut the rest. aiohttp's own drain (`shutdown_timeout`) waits that long, then
-        only cancels a request's body reading and waits as long again: a streamed answer ran on
-        for twice the grace period, and a second signal did not shorten it."""
-        cleanup = asyncio.ensure_future(self.runner.cleanup())
-        waits: list[asyncio.Future] = [cleanup]
-        if hurry is not None:
-            waits.append(asyncio.ensure_future(hurry.wait()))
-        await asyncio.wait(waits, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
-        if not cleanup.done():
-            await self.api.cut_requests_in_flight(CUT_MARGIN_S, hurried=hurry is not None and hurry.is_set())
-        await cleanup
-        for wait in waits[1:]:
-            wait.cancel()
-        if self.stage_health is not None:
-            await self.stage_health.close()
-
-
-async def start_http_api(
-    config: GatewayConfig,
-    pipeline: Pipeline,
-    metrics: GatewayMetrics,
-    stage_health: StageHealth | InProcessHealth | None = None,
-    admission: Admission | None = None,
-) -> HttpServer:
-    """Serve the HTTP API on `config.http.port` (0 here binds a free port, for tests);
-    `admission` is shared with the gRPC API so that a client's limit counts both."""
-    api = HttpApi(config, pipeline, metrics, stage_health.not_serving if stage_health else None, admission)
-    # handler_cancellation: a client that disconnects stops its pipeline run.
-    # logger: a client's malformed request is one INFO line there, not an ERROR traceback, and
-    # at most one a minute.
-    CLIENT_FAULTS.reset()
-    runner = web.AppRunner(
-        api.app(),
-        access_log=None,
-        handler_cancellation=True,
-        logger=PROTOCOL_LOG,
-        shutdown_timeout=config.server.grace_s,
-    )  # `HttpServer.stop` cuts it short
-    await runner.setup()
-    # TLS with the gateway's --tls-cert/--tls-key (client certificates with --tls-client-ca).
-    site = web.TCPSite(
-        runner,
-        config.http.host or config.server.host,
-        config.http.port,
-        ssl_context=server_ssl_context(config.server.security),
-    )
-    await site.start()
-    port = runner.addresses[0][1]
-    log.info("OpenAI-compatible HTTP API on port %d", port)
-    return HttpServer(runner, port, api, stage_health)

@@ -178,7 +178,7 @@ async def main(config: GatewayConfig, local: Pipeline | None = None) -> None:
     http = None
     try:
         if config.http.port:
-            from epd.gateway.http_api import start_http_api  # aiohttp only when asked for
+            from epd.gateway.http_server import start_http_api  # aiohttp only when asked for
 
             stage_health = health or StageHealth(config, pools=stage_pools(pipeline))
             http = await start_http_api(config, pipeline, metrics, stage_health, admission)

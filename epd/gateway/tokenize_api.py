@@ -32,6 +32,7 @@ from aiohttp import web
 from epd.gateway.chat_messages import parse_messages
 from epd.gateway.chat_request import template_options
 from epd.gateway.http_body import defer_continue, read_json_body
+from epd.gateway.http_error_responses import exception_response
 from epd.gateway.json_fields import TOKEN_ID, boolean_field, check_collection, checked_text, number_item
 from epd.gateway.request_fields import requested_model
 from epd.gateway.tool_request import checked_tools
@@ -85,7 +86,7 @@ def parse_detokenize_request(body: Any, served_model: str) -> list[int]:
 def add_tokenize_routes(app: web.Application, api: HttpApi) -> None:
     """POST /tokenize and /detokenize over `api`'s pipeline, with its limits and errors."""
     # Imported here: http_api is the module that calls this one.
-    from epd.gateway.http_api import client_gone_response, exception_response
+    from epd.gateway.http_api import client_gone_response
 
     config, pipeline = api.config, api.pipeline
 

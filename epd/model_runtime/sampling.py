@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch  # imported where sampling runs: the gateway reads GenerationConfig without torch
 
+    from epd.model_runtime.grammar_state import CompiledGrammar
     from epd.model_runtime.logits_processors import LogitsProcessors
-    from epd.model_runtime.structured_output import CompiledGrammar
 
 
 MAX_NEW_TOKENS = 4096
@@ -96,7 +96,7 @@ class StructuredOutputs:
     under a reasoning parser (its default, `enable_in_reasoning` false): the model thinks freely,
     and the tokens after its `</think>` keep to the constraint; from the first token when the
     prompt already closed the thinking block. Set by the front door when it runs
-    `--reasoning-parser` (`epd.model_runtime.structured_output.reasoning_ended`)."""
+    `--reasoning-parser` (`epd.model_runtime.grammar_state.reasoning_ended`)."""
 
     @property
     def kind(self) -> str:

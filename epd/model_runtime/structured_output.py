@@ -46,32 +46,25 @@ import asyncio
 import atexit
 import contextvars
 import functools
-import itertools
 import json
 import logging
 import math
 import os
-import queue
 import re
-import sys
 import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol
 
-import numpy as np
-
-from epd.model_runtime.sampling import ConstraintBusy, InvalidConstraint, SamplingFailed, StructuredOutputs
-
-if TYPE_CHECKING:
-    import torch  # the front door checks specs without torch
+from epd.model_runtime.compile_thread import CompileThread
+from epd.model_runtime.grammar_state import CompiledGrammar
+from epd.model_runtime.sampling import ConstraintBusy, InvalidConstraint, StructuredOutputs
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class _Runs(Protocol):
@@ -84,9 +77,6 @@ INSTALL_HINT = "pip install 'epd[structured]' (xgrammar)"
 
 GRAMMAR_CACHE_BYTES = 256 * 1024 * 1024
 """Bound of a compiler's cache of compiled grammars (xgrammar's, least recently used out first)."""
-
-COMPILE_THREAD_NAME = "grammar_compile"
-"""The thread that compiles constraints (py-spy and thread dumps show it)."""
 
 MAX_ERROR_CHARS = 300
 """A compiler's message is cut to this many characters in the error sent to the client."""
@@ -171,118 +161,6 @@ def _busy(num_running: int) -> str:
     )
 
 
-def reasoning_ended(token_ids: Sequence[int], start_id: int, end_id: int) -> bool:
-    """Whether `token_ids` (a prompt) leave the model outside a thinking block: their last think
-    marker is the end one. vLLM's `BaseThinkingReasoningParser.is_reasoning_end` (qwen3's and
-    deepseek_r1's), which its structured outputs read of the prompt to start the grammar at once."""
-    for token in reversed(token_ids):
-        if token == start_id:
-            return False
-        if token == end_id:
-            return True
-    return False
-
-
-class CompiledGrammar:
-    """A constraint compiled against one vocabulary; immutable, shared by every request with the
-    same spec (xgrammar's cache hands the same one back)."""
-
-    def __init__(self, compiled: Any, vocab_size: int, reasoning_ids: tuple[int, int] | None = None) -> None:
-        """reasoning_ids: the (`<think>`, `</think>`) token ids when the constraint starts after the
-        reasoning (`StructuredOutputs.after_reasoning`); None: from the first token."""
-        self._compiled = compiled
-        self.vocab_size = vocab_size
-        self.reasoning_ids = reasoning_ids
-
-    def prompt_ends_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
-        """Whether the prompt closed the thinking block, so the constraint holds from the first
-        token (False for a constraint that does not wait for the reasoning: it holds anyway)."""
-        return self.reasoning_ids is not None and reasoning_ended(prompt_token_ids, *self.reasoning_ids)
-
-    def matcher(self, prompt_ends_reasoning: bool = False) -> GrammarState:
-        """A request's state at its answer's start; `prompt_ends_reasoning`: `prompt_ends_reasoning`
-        of its prompt (prefill) or as prefill found it (decode)."""
-        waits = self.reasoning_ids is not None and not prompt_ends_reasoning
-        end_id = self.reasoning_ids[1] if waits and self.reasoning_ids is not None else None
-        return GrammarState(self._compiled, self.vocab_size, end_id)
-
-
-class GrammarState:
-    """One request's place in its constraint (an xgrammar matcher) and its token bitmask."""
-
-    def __init__(self, compiled: Any, vocab_size: int, reasoning_end_id: int | None = None) -> None:
-        """reasoning_end_id: the token the constraint waits for (`</think>`): until the model has
-        generated it nothing is masked and no token advances the matcher; None: it holds now."""
-        import xgrammar as xgr
-
-        self._xgr = xgr
-        self._matcher = xgr.GrammarMatcher(compiled)
-        self.vocab_size = vocab_size
-        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(vocab / 32)] int32
-        self._waits_for = reasoning_end_id
-
-    @property
-    def masking(self) -> bool:
-        """The constraint holds (it waits for no end of reasoning, or that end was generated)."""
-        return self._waits_for is None
-
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [vocab] float32 -> a copy with every token the constraint does not allow next at
-        -inf (the input, maybe a row of decode's batch, is left as it is); the input itself while
-        the constraint waits for the end of the reasoning."""
-        import torch
-
-        if self._waits_for is not None:
-            return logits
-        self._matcher.fill_next_token_bitmask(self._bitmask)
-        if logits.device.type == "cpu" and sys.byteorder == "little":
-            # Bit i of int32 word j is token 32 j + i: the words' bytes unpacked little-endian
-            # first are the tokens in order. 7x faster than xgrammar's CPU kernel on a 152k
-            # vocabulary (bench/bench_structured.py), the same result (tested).
-            bits = np.unpackbits(
-                self._bitmask.numpy().view(np.uint8), count=logits.shape[-1], bitorder="little"
-            )
-            return torch.where(torch.from_numpy(bits.view(np.bool_)), logits, float("-inf"))
-        masked = logits.clone().unsqueeze(0)  # [1, vocab]
-        self._xgr.apply_token_bitmask_inplace(
-            masked, self._bitmask.to(masked.device), vocab_size=self.vocab_size
-        )  # CUDA: xgrammar's kernel
-        return masked[0]
-
-    def accept(self, token_id: int, chosen_here: bool = True) -> None:
-        """Advance by the token the sampler chose (`chosen_here`), or by one chosen elsewhere
-        (decode's first token, prefill's choice): SamplingFailed when the constraint refuses it.
-        While the constraint waits for the end of the reasoning, a token only tells whether it is
-        that end (vLLM's grammar never sees the reasoning nor its end marker)."""
-        if self._waits_for is not None:
-            if token_id == self._waits_for:
-                self._waits_for = None
-            return
-        if self._matcher.accept_token(token_id):
-            return
-        if not chosen_here:
-            raise InvalidConstraint(
-                f"token {token_id} does not keep to the structured-output constraint: prefill and decode "
-                "serve different models"
-            )
-        raise self.nothing_allowed()
-
-    @staticmethod
-    def nothing_allowed() -> SamplingFailed:
-        """Every token the constraint allows was held back by another setting (min_tokens holds
-        back the end-of-sequence token a complete answer needs)."""
-        return SamplingFailed(
-            "no token both keeps to the structured-output constraint and passes this request's other "
-            "settings at this step; lower min_tokens (it holds back the end-of-sequence token that "
-            "ends a complete answer) or drop the stop_token_ids the constraint needs"
-        )
-
-    @property
-    def terminated(self) -> bool:
-        """The constraint is complete and its end (the end-of-sequence token) was accepted."""
-        return bool(self._matcher.is_terminated())
-
-
 class GrammarCompiler:
     """Compiles constraints against one model's vocabulary, off the event loop and the model
     thread, with a byte-bounded cache of what it compiled."""
@@ -303,7 +181,7 @@ class GrammarCompiler:
         self._compiler: Any = None
         self._reasoning_ids: tuple[int | None, int | None] = (None, None)
         self._lock = threading.Lock()
-        self._threads: list[_CompileThread] = []
+        self._threads: list[CompileThread] = []
         """The compile threads made and not known to have ended, the ones left to a compile past
         its deadline too: `close` waits for them."""
         self._thread = self._new_thread()
@@ -416,7 +294,7 @@ class GrammarCompiler:
     def _keep_deadline(
         self,
         future: Future[CompiledGrammar],
-        thread: _CompileThread,
+        thread: CompileThread,
         key: StructuredOutputs,
         timeout_s: float,
         left_s: float | None = None,
@@ -435,7 +313,7 @@ class GrammarCompiler:
     def _ran_past(
         self,
         future: Future[CompiledGrammar],
-        thread: _CompileThread,
+        thread: CompileThread,
         key: StructuredOutputs,
         timeout_s: float,
     ) -> None:
@@ -460,7 +338,7 @@ class GrammarCompiler:
         self._abandoned = [future for future in self._abandoned if not future.done()]
         return len(self._abandoned)
 
-    def _leave_thread(self, future: Future[CompiledGrammar], thread: _CompileThread) -> None:
+    def _leave_thread(self, future: Future[CompiledGrammar], thread: CompileThread) -> None:
         """Leave `thread` to the compile it runs (`future`; xgrammar's cannot be stopped): the next
         compiles get a new thread, and those queued on this one are submitted again there."""
         if self._thread is thread:
@@ -501,10 +379,10 @@ class GrammarCompiler:
                 self._reasoning_ids = (start, end)
             return self._compiler
 
-    def _new_thread(self) -> _CompileThread:
+    def _new_thread(self) -> CompileThread:
         """A compile thread (started at its first compile), known to `close`."""
         # those ended go (one is left behind per compile past its deadline)
-        self._threads = [t for t in self._threads if t.running] + [_CompileThread()]
+        self._threads = [t for t in self._threads if t.running] + [CompileThread()]
         return self._threads[-1]
 
     def close(self, wait_s: float = 0.0) -> None:
@@ -525,70 +403,6 @@ class GrammarCompiler:
                 ", ".join(running),
             )
 
-
-class _CompileThread:
-    """One daemon thread that runs the compiles submitted to it in turn (what this compiler took
-    from a `ThreadPoolExecutor(1)`: `submit`, `shutdown`). A daemon, as the model threads are: a
-    compile cannot be stopped, and a `ThreadPoolExecutor`'s thread is joined at interpreter exit
-    for as long as its compile runs (`epd ask` with a pathological regex waited minutes to exit
-    after its error); a compiler's close waits for its compiles within its owner's deadline, and
-    an open compiler's compiles are waited for at exit for at most `EXIT_WAIT_S` (`_close_at_exit`)."""
-
-    def __init__(self) -> None:
-        self.name = f"{COMPILE_THREAD_NAME}_{next(_thread_numbers)}"
-        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._shut = False
-        self._thread: threading.Thread | None = None  # started at the first submit
-
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
-        future: Future[T] = Future()
-        with self._lock:
-            if self._shut:
-                raise RuntimeError("cannot compile after the compiler closed")
-            self._queue.put((future, fn))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
-                self._thread.start()
-        return future
-
-    def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
-            future, fn = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn()
-            except BaseException as exc:  # noqa: BLE001 - the caller's, through its future
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
-
-    def shutdown(self) -> None:
-        """Take nothing more; the compiles queued are cancelled, the running one goes on to its end
-        (the thread then ends). It does not wait (`join`)."""
-        with self._lock:
-            self._shut = True
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                item[0].cancel()
-        self._queue.put(None)
-
-    @property
-    def running(self) -> bool:
-        """Started and not ended (a compile, or waiting for the next)."""
-        return self._thread is not None and self._thread.is_alive()
-
-    def join(self, timeout_s: float) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-
-
-_thread_numbers = itertools.count()
 
 EXIT_WAIT_S = 30.0
 """How long interpreter exit waits for the compiles of the compilers still open (a script that

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from epd.client import AsyncEpdClient, EpdClient, EpdError, Message, TokenizeResult
 from epd.gateway.config import GatewayConfig, HttpApiConfig
 from epd.gateway.embedded import build_embedded_pipeline
-from epd.gateway.http_api import start_http_api
+from epd.gateway.http_server import start_http_api
 from epd.gateway.metrics import GatewayMetrics, MeteredPipeline
 from epd.gateway.readiness import InProcessHealth
 from epd.gateway.server import start

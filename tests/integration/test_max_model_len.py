@@ -19,7 +19,7 @@ from epd.client import EpdClient, EpdError
 from epd.gateway.ask_types import AskRequest, AskSummary
 from epd.gateway.config import GatewayConfig, HttpApiConfig
 from epd.gateway.embedded import build_embedded_pipeline
-from epd.gateway.http_api import start_http_api
+from epd.gateway.http_server import start_http_api
 from epd.gateway.metrics import GatewayMetrics, MeteredPipeline
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.loader import ModelLoadError

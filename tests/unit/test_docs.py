@@ -968,7 +968,7 @@ def test_the_cross_site_post_refusal_names_every_route_it_guards():
 @pytest.mark.parametrize("doc", ["README.md", "docs/security.md"])
 def test_the_api_keys_guarded_paths_are_the_codes(doc):
     """The paths the API key guards, as a doc lists them, are `KEYED_PATH_PREFIXES`."""
-    from epd.gateway.http_api import KEYED_PATH_PREFIXES
+    from epd.gateway.http_checks import KEYED_PATH_PREFIXES
 
     stated = re.search(r"under ((?:`/\w+`, )+`/\w+`)", " ".join(read(doc).split()))
     assert stated, f"{doc} no longer lists the paths the API key guards where this test reads them"

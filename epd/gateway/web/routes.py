@@ -39,6 +39,7 @@ from epd.gateway.admission import max_body_bytes as gateway_max_body_bytes
 from epd.gateway.chat_request import parse_chat_request
 from epd.gateway.config import GatewayConfig
 from epd.gateway.http_body import TICKET_KEY, defer_continue, read_json_body
+from epd.gateway.http_error_responses import exception_response
 from epd.gateway.http_errors import error_body
 from epd.gateway.media_fetch import load_media
 from epd.gateway.web.demo_decodes import DemoDecodes
@@ -138,8 +139,6 @@ class WebDemo:
             )
             return web.json_response(thumbnails)
         except Exception as exc:  # noqa: BLE001 - mapped like the OpenAI API's errors
-            from epd.gateway.http_api import exception_response
-
             return exception_response(exc)
 
 

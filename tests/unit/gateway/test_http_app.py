@@ -274,17 +274,17 @@ def test_a_data_url_is_decoded_and_hashed_off_the_event_loop(monkeypatch):
     import hashlib
     import threading
 
-    from epd.gateway import http_api, media_fetch
+    from epd.gateway import http_media, media_fetch
 
     threads: list[tuple[str, int]] = []
-    real_decode, real_hash = media_fetch.decode_data_url, http_api.sha256_hex
+    real_decode, real_hash = media_fetch.decode_data_url, http_media.sha256_hex
     monkeypatch.setattr(
-        http_api,
+        http_media,
         "decode_data_url",
         lambda *a: threads.append(("decode", threading.get_ident())) or real_decode(*a),
     )
     monkeypatch.setattr(
-        http_api, "sha256_hex", lambda d: threads.append(("hash", threading.get_ident())) or real_hash(d)
+        http_media, "sha256_hex", lambda d: threads.append(("hash", threading.get_ident())) or real_hash(d)
     )
     asked = []
 

@@ -16,7 +16,7 @@ from aiohttp.client_exceptions import ClientConnectionResetError
 
 from epd.gateway.ask_types import AskSummary
 from epd.gateway.config import GatewayConfig, HttpApiConfig
-from epd.gateway.http_api import start_http_api
+from epd.gateway.http_server import start_http_api
 from epd.gateway.metrics import GatewayMetrics
 from epd.gateway.pipeline import Pipeline
 from epd.stages.contracts import TokenStep

@@ -455,7 +455,7 @@ def test_a_clients_malformed_request_is_one_info_line_not_an_error_traceback(cap
     (400; 415 for br, which aiohttp refused before any handler with a plain-text 400)."""
     import logging
 
-    from epd.gateway.http_api import start_http_api
+    from epd.gateway.http_server import start_http_api
     from epd.stages.server_config import ServerConfig
 
     async def scenario():
@@ -502,7 +502,7 @@ def test_malformed_requests_in_a_loop_are_one_line_a_minute_that_counts_the_rest
     line per request. The gateway's server writes one a minute (FAULT_LINE_INTERVAL_S); the next
     says how many it left out. The minute passes on the filter's own clock, moved by the test."""
     from epd.gateway import protocol_log
-    from epd.gateway.http_api import start_http_api
+    from epd.gateway.http_server import start_http_api
     from epd.stages.server_config import ServerConfig
     from tests.log_records import log_records
 

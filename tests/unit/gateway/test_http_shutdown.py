@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from epd.gateway.config import GatewayConfig, HttpApiConfig
-from epd.gateway.http_api import start_http_api
+from epd.gateway.http_server import start_http_api
 from epd.gateway.metrics import GatewayMetrics
 from epd.gateway.pipeline import Pipeline
 from epd.stages.contracts import TokenStep

@@ -15,7 +15,7 @@ from openai.types.responses import ResponseErrorEvent
 
 from epd.gateway.ask_types import AskSummary
 from epd.gateway.config import GatewayConfig, HttpApiConfig
-from epd.gateway.http_api import start_http_api
+from epd.gateway.http_server import start_http_api
 from epd.gateway.logprobs_protocol import chat_logprobs
 from epd.gateway.metrics import GatewayMetrics
 from epd.gateway.pipeline import Pipeline

@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from epd.gateway.config import GatewayConfig, HttpApiConfig
-from epd.gateway.http_api import start_http_api
+from epd.gateway.http_server import start_http_api
 from epd.gateway.metrics import GatewayMetrics, MeteredPipeline
 from epd.gateway.pipeline import Pipeline
 from epd.gateway.server import start

@@ -18,6 +18,7 @@ import xgrammar as xgr
 from transformers import AutoTokenizer
 
 from epd.model_runtime.detokenizer import OutputText
+from epd.model_runtime.grammar_state import reasoning_ended
 from epd.model_runtime.sampling import (
     ConstraintBusy,
     GenerationConfig,
@@ -32,7 +33,6 @@ from epd.model_runtime.structured_output import (
     choice_grammar,
     compile_for,
     compiler_message,
-    reasoning_ended,
 )
 from epd.transport.errors import code_of, retry_after_of
 
@@ -74,7 +74,7 @@ def test_the_mask_equals_xgrammars_own_kernel(compiler, regex, byteorder, monkey
     """The CPU mask unpacks the bitmask itself (7x faster on a large vocabulary): the same logits
     as xgrammar's apply_token_bitmask_inplace, step after step; elsewhere (CUDA, or a big-endian
     CPU, "big" here) xgrammar's kernel applies it on a copy."""
-    monkeypatch.setattr("epd.model_runtime.structured_output.sys.byteorder", byteorder)
+    monkeypatch.setattr("epd.model_runtime.grammar_state.sys.byteorder", byteorder)
     spec = StructuredOutputs(regex=regex)
     state = compiler.compile_now(spec).matcher()
     reference = xgr.GrammarMatcher(compiler._xgrammar_compiler().compile_regex(regex))
