@@ -159,11 +159,16 @@ def test_killed_and_silent_replicas_are_restarted_while_the_stack_serves(tiny_mo
         assert _chat_once_back(ports["http"], url, launcher, log) == answer
 
         # A replica that stops answering (SIGSTOP) is killed after --health-timeout and restarted.
+        # Known by its psutil handle (pid and start time), not by its pid: with pid_max 32768 and
+        # the threads of parallel test runs, the pid could be another process's by the time it is
+        # looked at (a check of the bare pid failed once under load). The launcher has reaped it
+        # before the replica is restarted (it waits for the kill; the zygote reaps, then reports).
         stopped = serving_pid(other)
         assert stopped is not None
+        stopped_process = psutil.Process(stopped)
         os.kill(stopped, signal.SIGSTOP)
         _back(other, stopped, launcher, log)
-        assert not psutil.pid_exists(stopped) or psutil.Process(stopped).status() == psutil.STATUS_ZOMBIE
+        assert not stopped_process.is_running(), stopped_process
         assert _chat(ports["http"], url) == answer
 
         # The gateway too (a plain process, started again by the launcher).
@@ -179,7 +184,10 @@ def test_killed_and_silent_replicas_are_restarted_while_the_stack_serves(tiny_mo
             stderr_text
         )
         assert f"epd: {name} serving again at 127.0.0.1:{home}" in stderr_text, stderr_text
-        assert "did not answer its health check for" in stderr_text, stderr_text
+        stopped_name = f"encoder[{encoders.index(other)}]"
+        assert f"epd: {stopped_name} (pid {stopped}) did not answer its health check for" in stderr_text, (
+            stderr_text
+        )
         assert "epd: decode[0] restarted" in stderr_text and "Traceback" not in stderr_text, stderr_text
         children = psutil.Process(launcher.pid).children(recursive=True)
     finally:
