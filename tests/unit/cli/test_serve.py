@@ -309,6 +309,35 @@ def test_replicas_get_their_own_ports_and_the_gateway_lists_them_all():
                 assert "127.0.0.1:*" in allowed
 
 
+def test_port_0_is_a_free_port_for_each_replica_and_the_gateway_gets_those_they_bound():
+    """Port 0 (and --http-port auto) clash with nothing: each replica binds a free port of its
+    own; the launcher gives the gateway the ports they bound (`stack_commands(args, bound)`)."""
+    argv = ["serve", "--encoders", "2", "--encoder-port", "0", "--gateway-port", "0", "--http-port", "auto"]
+    args = build_parser().parse_args(argv)
+    args.model = "/m"
+    assert replica_ports(args) == {"encoder": [0, 0], "prefill": [50052], "decode": [50053]}
+    assert port_clash(args) is None
+    assert [_parsed(stack_commands(args)[f"encoder[{i}]"]).port for i in (0, 1)] == [0, 0]
+    bound = {"encoder": [41001, 41002], "prefill": [50052], "decode": [50053]}
+    gateway = configs.gateway_config(_parsed(stack_commands(args, bound)["gateway"]))
+    assert gateway.encoder_addresses == ("127.0.0.1:41001", "127.0.0.1:41002")
+    assert (gateway.server.port, gateway.http.port) == (0, 0)  # auto: a free port
+
+
+@pytest.mark.parametrize("word, port", [("0", None), ("auto", 0), ("AUTO", 0), ("8000", 8000)])
+def test_http_port_0_is_off_and_auto_a_free_port(word, port, tmp_path):
+    ports_file = str(tmp_path / "ports.json")
+    argv = ["serve", "gateway", "--http-port", word, "--ports-file", ports_file]
+    config = configs.gateway_config(build_parser().parse_args(argv))
+    assert (config.http.port, config.server.ports_file) == (port, ports_file)
+
+
+def test_an_http_port_neither_a_number_nor_auto_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "gateway", "--http-port", "any"])
+    assert "--http-port" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "argv, problem",
     [
