@@ -36,7 +36,6 @@ from tests.stack import (
     ROOT,
     child_env,
     epd_command,
-    free_port,
     run_epd_forked,
     stage_replica,
     wait_until_serving,
@@ -83,11 +82,8 @@ def _processes_naming(text: str) -> list[psutil.Process]:
 
 
 def _stack_ports() -> list[str]:
-    return [
-        flag
-        for name in ("gateway", "encoder", "prefill", "decode")
-        for flag in (f"--{name}-port", str(free_port()))
-    ]
+    """Every port one the kernel picks: nothing here picks a port for another process to take."""
+    return [flag for name in ("gateway", "encoder", "prefill", "decode") for flag in (f"--{name}-port", "0")]
 
 
 @pytest.mark.parametrize("how", sorted(REASONS))
@@ -115,7 +111,7 @@ def test_one_service_reports_its_model_and_closes_cleanly(tiny_models, tmp_path)
     model = _break(tiny_models["qwen2_vl"], "truncated weights", tmp_path)
     # forked from the session's zygote, as a stack's prefill is: the same `epd serve prefill`
     proc = run_epd_forked(
-        "serve", "prefill", "--port", str(free_port()), "--model", str(model), *INSECURE_STAGE, timeout_s=120
+        "serve", "prefill", "--port", "0", "--model", str(model), *INSECURE_STAGE, timeout_s=120
     )
     assert proc.returncode == EXIT_MODEL, proc.stderr
     assert (
