@@ -138,7 +138,11 @@ def test_an_api_key_on_the_command_line_is_hidden_from_ps(tmp_path):
                     assert time.monotonic() < deadline, "the gateway never answered health"
                     time.sleep(0.2)
         shown = " ".join(psutil.Process(proc.pid).cmdline())
-        assert key not in shown and "--api-key ***" in shown and f"--ports-file {tmp_path / 'ports.json'}" in shown, shown
+        assert (
+            key not in shown
+            and "--api-key ***" in shown
+            and f"--ports-file {tmp_path / 'ports.json'}" in shown
+        ), shown
     finally:
         proc.terminate()
         proc.wait(timeout=60)
