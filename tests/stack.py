@@ -244,12 +244,15 @@ class Stack:
         return self.log_dir / f"{name}.ports.json"
 
     def command(self, name: str) -> list[str]:
+        """`name`'s command line: on port 0 (--http-port auto) at first; once it has bound, on the
+        ports it bound, so that a service a test restarts listens where the others were told."""
         extra = self.extra.get(name, [])
         own = extra(self) if callable(extra) else extra
-        ports = ["--port", "0", "--ports-file", str(self.ports_file(name))]
+        ports = ["--port", str(self.ports.get(name, 0)), "--ports-file", str(self.ports_file(name))]
         if name == "gateway":
             stages = [f"--{stage}={self.address(stage)}" for stage in ("encoder", "prefill", "decode")]
-            args = ["serve", "gateway", *ports, *stages, *(["--http-port", "auto"] if self.http else [])]
+            http = ["--http-port", str(self.http_port or "auto")] if self.http else []
+            args = ["serve", "gateway", *ports, *stages, *http]
         else:
             args = ["serve", name, *ports, "--model", self.model]
             if not self.internal_secret and not {"--tls-client-ca", "--internal-secret-file"} & set(own):

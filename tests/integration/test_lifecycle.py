@@ -157,7 +157,15 @@ def _start_stack(
         env["TMPDIR"] = str(tmpdir)
     launcher = subprocess.Popen(
         epd_command(
-            "serve", "--model", str(tiny_models["qwen2_vl"]), "--http-port", "0", *_stack_ports(), *flags
+            "serve",
+            "--model",
+            str(tiny_models["qwen2_vl"]),
+            "--http-port",
+            "0",
+            *_stack_ports(),
+            "--ports-file",
+            str(tmp_path / "stack.ports.json"),
+            *flags,
         ),
         stdout=subprocess.PIPE,
         stderr=log,
@@ -392,8 +400,9 @@ def test_sigterm_lets_a_call_in_flight_finish(tiny_models, media_files, tmp_path
     assert code == 0, (tmp_path / "encoder-2.log").read_text()
 
 
-def _stack_address(launcher_argv: list[str]) -> str:
-    return f"127.0.0.1:{launcher_argv[launcher_argv.index('--gateway-port') + 1]}"
+def _stack_address(tmp_path: Path) -> str:
+    """The gateway's address of `_start_stack(..., tmp_path)`, from the ports file it wrote when ready."""
+    return f"127.0.0.1:{json.loads((tmp_path / 'stack.ports.json').read_text())['grpc']}"
 
 
 def test_sigterm_to_every_process_of_the_stack_still_drains_the_call_in_flight(
@@ -411,7 +420,7 @@ def test_sigterm_to_every_process_of_the_stack_still_drains_the_call_in_flight(
     launcher, children = _start_stack(tiny_models, tmp_path)
     num_tokens = 0
     try:
-        with EpdClient(_stack_address(launcher.args), retry=RetryPolicy(max_attempts=1)) as client:
+        with EpdClient(_stack_address(tmp_path), retry=RetryPolicy(max_attempts=1)) as client:
             for item in client.stream(
                 media_files["mp4"], "what?", num_frames=4, max_new_tokens=2000, ignore_eos=True
             ):
