@@ -60,7 +60,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_vs_transformers_serve import free_port, log, make_clips, stop  # noqa: E402
+from bench.bench_vs_transformers_serve import bound_ports, epd_port_flags, log, make_clips, stop  # noqa: E402
 
 QUESTIONS = (
     "what moves in the video?",
@@ -268,21 +268,17 @@ def log_turns(label: str, out: dict[tuple[int, bool], Turn]) -> None:
 # server
 
 
-def server_command(model: Path, args) -> tuple[list[str], dict[str, str], int]:
-    ports = {k: free_port() for k in ("gateway", "encoder", "prefill", "decode", "http")}
-    # --colocate has no stage servers: their ports would be refused as flags that do nothing.
-    stages = (
-        ["--colocate"]
-        if args.colocate
-        else [f"--{k}-port={ports[k]}" for k in ("encoder", "prefill", "decode")]
-    )
-    cmd = [sys.executable, "-m", "epd.cli.main", "serve", "--model", str(model),
-           "--gateway-port", str(ports["gateway"]), *stages, "--http-port", str(ports["http"]),
+def server_command(model: Path, args, ports_file: Path) -> tuple[list[str], dict[str, str]]:
+    """Every port one the kernel picks, named in `ports_file` (`bound_ports`). --colocate has no
+    stage servers: their ports would be refused as flags that do nothing."""
+    ports = epd_port_flags(ports_file, stages=not args.colocate)
+    cmd = [sys.executable, "-m", "epd.cli.main", "serve", "--model", str(model), *ports,
+           *(["--colocate"] if args.colocate else []),
            *(["--num-threads", args.threads] if args.threads else []), *args.epd_arg]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if args.threads.isdigit():
         env["OMP_NUM_THREADS"] = args.threads
-    return cmd, env, ports["http"]
+    return cmd, env
 
 
 def wait_ready(proc: subprocess.Popen, port: int, timeout_s: float, log_path: Path) -> float:
@@ -381,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         c: [remux_copy(c, c.with_name(f"{c.stem}-copy{k}.mp4"), f"copy {k}") for k in (1, 2)] for c in clips
     }
 
-    cmd, env, http_port = server_command(model, args)
+    ports_file = work / "server.ports.json"
+    cmd, env = server_command(model, args, ports_file)
     log_path = work / "server.log"
     log(f"starting {' '.join(cmd[3:5])} {'--colocate ' if args.colocate else ''}(log {log_path})")
     with open(log_path, "w") as log_file:
@@ -389,8 +386,10 @@ def main(argv: list[str] | None = None) -> int:
                                 start_new_session=True)  # fmt: skip
     results: list[dict[tuple[int, bool], Turn]] = []
     try:
+        launched = time.perf_counter()  # the stack names its ports once it is ready: count the wait
+        http_port = bound_ports(ports_file, proc, args.timeout_s, log_path)["http"]
         log(
-            f"serving after {wait_ready(proc, http_port, args.timeout_s, log_path):.1f} s; warm-up conversation"
+            f"serving after {time.perf_counter() - launched + wait_ready(proc, http_port, args.timeout_s, log_path):.1f} s; warm-up conversation"
         )
         warm_clip = clips[-1]
         converse = conversation_after_text if args.video_after_text else conversation

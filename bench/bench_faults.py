@@ -52,14 +52,10 @@ sys.path.insert(0, str(REPO))
 import grpc  # noqa: E402
 import psutil  # noqa: E402
 
-from bench.bench_vs_transformers_serve import build_model, free_port, log, make_clips  # noqa: E402
+from bench.bench_vs_transformers_serve import build_model, log, make_clips  # noqa: E402
 from epd.client import AsyncEpdClient, EpdError, TokenDelta  # noqa: E402
 from epd.client.retry import NO_RETRY, RetryPolicy  # noqa: E402
 from epd.transport.affinity import rendezvous_order  # noqa: E402
-
-REPLICA_PORT_STEP = 10
-"""`epd serve --encoders N ...` puts replica i of a stage on the stage's port + 10 i (README,
-"One-host scale-out"). Not imported from epd.cli: bench/ sits below the CLI (`epd bench`)."""
 
 
 def is_serving(address: str, timeout_s: float = 1.0) -> bool:
@@ -123,20 +119,15 @@ class StageResult:
 
 
 def start_stack(model: Path, args, log_path: Path) -> Stack:
-    """`epd serve --encoders 2 --prefills 2 --decodes 2` on free ports; returns once it is ready."""
-    while True:  # ports p and p + REPLICA_PORT_STEP for each stage, all free
-        ports = {role: free_port() for role in (*STAGES, "gateway")}
-        wanted = [p + REPLICA_PORT_STEP * i for p in ports.values() for i in range(2)]
-        if (
-            len(set(wanted)) == len(wanted)
-            and all(p <= 65535 for p in wanted)
-            and all(map(_port_free, wanted))
-        ):
-            break
+    """`epd serve --encoders 2 --prefills 2 --decodes 2`, every port one the kernel picks (named in
+    its --ports-file, written before its ready line; a restarted replica keeps its port); returns
+    once it is ready."""
+    ports_file = log_path.with_suffix(".ports.json")
+    ports_file.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "epd.cli.main", "serve", "--model", str(model),
            "--encoders", "2", "--prefills", "2", "--decodes", "2",
-           *[w for role in STAGES for w in (f"--{role}-port", str(ports[role]))],
-           "--gateway-port", str(ports["gateway"]), "--http-port", "0",
+           *[f"--{role}-port=0" for role in STAGES], "--gateway-port=0", "--http-port", "0",
+           f"--ports-file={ports_file}",
            "--max-requests-per-client", str(4 * args.in_flight), "--health-timeout", "30", *args.epd_arg]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if args.threads:
@@ -149,21 +140,9 @@ def start_stack(model: Path, args, log_path: Path) -> Stack:
         stop_stack(launcher)
         raise SystemExit(f"the stack did not start (exit {launcher.poll()}): {ready!r}\n"
                          f"{log_path.read_text(errors='replace')[-3000:]}")  # fmt: skip
-    replicas = {
-        role: [f"127.0.0.1:{ports[role] + REPLICA_PORT_STEP * i}" for i in range(2)] for role in STAGES
-    }
-    return Stack(launcher, log_path, f"127.0.0.1:{ports['gateway']}", replicas)
-
-
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+    bound = json.loads(ports_file.read_text())
+    replicas = {role: [f"127.0.0.1:{port}" for port in bound[role]] for role in STAGES}
+    return Stack(launcher, log_path, f"127.0.0.1:{bound['grpc']}", replicas)
 
 
 def stop_stack(launcher: subprocess.Popen) -> None:
@@ -179,12 +158,11 @@ def stop_stack(launcher: subprocess.Popen) -> None:
 
 
 def serving_pid(port: int) -> int | None:
-    """The pid of the live process whose command line serves `--port PORT`."""
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        words = " ".join(proc.info["cmdline"] or []).split()
-        serves = "serve" in words and any(pair == ("--port", str(port)) for pair in zip(words, words[1:]))
-        if serves and proc.info["status"] not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-            return proc.pid
+    """The pid of the process listening on loopback port `port` (by its socket: a replica started
+    on port 0 has 0 on its command line)."""
+    for conn in psutil.net_connections("tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid is not None:
+            return conn.pid
     return None
 
 

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.bench_conversation import build_model, server_command, wait_ready  # noqa: E402
-from bench.bench_vs_transformers_serve import log, make_clips, stop  # noqa: E402
+from bench.bench_vs_transformers_serve import bound_ports, log, make_clips, stop  # noqa: E402
 
 SEED = 1130
 GROUPS = ("n choices", "n cold", "n shared")
@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         work / f"clips-{args.clip_size}px", 1 + len(GROUPS) * args.repeats, args.clip_size, 4.0
     )
 
-    cmd, env, port = server_command(model, args)
+    ports_file = work / "server.ports.json"
+    cmd, env = server_command(model, args, ports_file)
     log_path = work / "server.log"
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
@@ -131,7 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     moved: dict[str, dict] = {}
     equal = False
     try:
-        log(f"serving after {wait_ready(proc, port, args.timeout_s, log_path):.1f} s; warm-up")
+        launched = time.perf_counter()  # the stack names its ports once it is ready: count the wait
+        port = bound_ports(ports_file, proc, args.timeout_s, log_path)["http"]
+        log(
+            f"serving after {time.perf_counter() - launched + wait_ready(proc, port, args.timeout_s, log_path):.1f} s; warm-up"
+        )
         with ThreadPoolExecutor(args.n) as pool:
             _, _, warm_tokens = run_group("n choices", port, clips[-1], args, pool)
             for r in range(args.repeats):

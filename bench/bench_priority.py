@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.bench_conversation import ask, build_model, data_url, server_command, user, wait_ready  # noqa: E402
-from bench.bench_vs_transformers_serve import log, make_clips, stop  # noqa: E402
+from bench.bench_vs_transformers_serve import bound_ports, log, make_clips, stop  # noqa: E402
 
 POLICIES = ("fcfs", "priority")
 HIGH = -1
@@ -80,13 +80,18 @@ def serve(
     # One client sends them all: its limit must let every request in (the default is 8).
     limit = ["--max-requests-per-client", str(len(low) + len(high))]
     args.epd_arg = [*limit, *args.passed_epd_arg, "--scheduling-policy", policy]
-    cmd, env, port = server_command(model, args)
+    ports_file = args.work_dir / f"server-{policy}.ports.json"
+    cmd, env = server_command(model, args, ports_file)
     log_path = args.work_dir / f"server-{policy}.log"
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip
     try:
-        log(f"{policy}: serving after {wait_ready(proc, port, args.timeout_s, log_path):.1f} s; warm-up")
+        launched = time.perf_counter()  # the stack names its ports once it is ready: count the wait
+        port = bound_ports(ports_file, proc, args.timeout_s, log_path)["http"]
+        log(
+            f"{policy}: serving after {time.perf_counter() - launched + wait_ready(proc, port, args.timeout_s, log_path):.1f} s; warm-up"
+        )
         ask(port, [user(QUESTION, data_url(warm))], _limits(2, args.num_frames), args.timeout_s)
         out = run_load(port, low, high, args, policy)
         log(f"{policy}: high TTFTs {[round(t) for t in sorted(out['high'])]} ms, "

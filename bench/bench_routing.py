@@ -37,6 +37,7 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -44,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.bench_conversation import build_model  # noqa: E402
-from bench.bench_vs_transformers_serve import free_port, log, make_clips, stop  # noqa: E402
+from bench.bench_vs_transformers_serve import bound_ports, log, make_clips, stop  # noqa: E402
 
 ROUTINGS = ("affinity", "round-robin")
 
@@ -69,34 +70,39 @@ def request_sequence(num_requests: int, repeat_fraction: float, seed: int) -> li
 
 
 def start_stack(model: Path, routing: str, args, log_dir: Path) -> tuple[list[subprocess.Popen], dict]:
-    """Two encoders, prefill, decode and the gateway, each `python -m epd.cli.main serve ROLE`."""
-    ports = {k: free_port() for k in ("encoder-1", "encoder-2", "prefill", "decode", "gateway", "http")}
+    """Two encoders, prefill, decode and the gateway, each `python -m epd.cli.main serve ROLE` on a
+    port the kernel picks (`--port 0`, named in its `--ports-file`); the gateway once the stages
+    have bound theirs."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if args.threads:
         env["OMP_NUM_THREADS"] = args.threads
-    addr = {k: f"127.0.0.1:{p}" for k, p in ports.items()}
-    commands = {
-        name: [
-            "serve",
-            name.split("-")[0],
-            "--port",
-            str(ports[name]),
-            "--model",
-            str(model),
-            "--insecure-no-internal-auth",
-        ]  # loopback, one user
-        for name in ("encoder-1", "encoder-2", "prefill", "decode")
-    }
-    commands["gateway"] = ["serve", "gateway", "--port", str(ports["gateway"]), "--http-port", str(ports["http"]),
-                           "--encoder", f"{addr['encoder-1']},{addr['encoder-2']}", "--prefill", addr["prefill"],
-                           "--decode", addr["decode"], "--routing", routing,
-                           "--max-requests-per-client", str(max(8, args.concurrency * 2))]  # fmt: skip
-    procs = []
-    for name, cmd in commands.items():
-        with open(log_dir / f"{routing}-{name}.log", "w") as out:
-            procs.append(subprocess.Popen([sys.executable, "-m", "epd.cli.main", *cmd], cwd=REPO, env=env,
-                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
-    return procs, {**addr, "http": ports["http"]}
+    procs: list[subprocess.Popen] = []
+
+    def start(name: str, cmd: list[str]) -> Callable[[], dict]:
+        """`cmd` started on port 0; a call that waits for the ports it bound."""
+        log_path, ports_file = log_dir / f"{routing}-{name}.log", log_dir / f"{routing}-{name}.ports.json"
+        ports_file.unlink(missing_ok=True)
+        with open(log_path, "w") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "epd.cli.main", *cmd, "--port", "0",
+                                     "--ports-file", str(ports_file)], cwd=REPO, env=env, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        procs.append(proc)
+        return lambda: bound_ports(ports_file, proc, args.timeout_s, log_path)
+
+    try:
+        # loopback, one user
+        stage = {name: start(name, ["serve", name.split("-")[0], "--model", str(model), "--insecure-no-internal-auth"])
+                 for name in ("encoder-1", "encoder-2", "prefill", "decode")}  # fmt: skip
+        addr: dict = {name: f"127.0.0.1:{bound()['grpc']}" for name, bound in stage.items()}
+        gateway = start("gateway", ["serve", "gateway", "--http-port", "auto",
+                                    "--encoder", f"{addr['encoder-1']},{addr['encoder-2']}", "--prefill", addr["prefill"],
+                                    "--decode", addr["decode"], "--routing", routing,
+                                    "--max-requests-per-client", str(max(8, args.concurrency * 2))])()  # fmt: skip
+    except BaseException:
+        for proc in procs:
+            stop(proc)
+        raise
+    return procs, {**addr, "gateway": f"127.0.0.1:{gateway['grpc']}", "http": gateway["http"]}
 
 
 def wait_ready(procs: list[subprocess.Popen], port: int, timeout_s: float) -> None:

@@ -20,6 +20,7 @@ What it does, in one run:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -32,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_vs_transformers_serve import build_model, free_port, log, make_clips, stop  # noqa: E402
+from bench.bench_vs_transformers_serve import build_model, log, make_clips, stop  # noqa: E402
 from epd.client import EpdClient, TokenDelta  # noqa: E402
 
 QUESTION = "what happens in this video?"
@@ -53,8 +54,12 @@ def make_certs(directory: Path) -> dict[str, str]:
 
 
 def start_stack(model: Path, tls: dict[str, str] | None, log_path: Path) -> tuple[subprocess.Popen, str]:
-    ports = {name: free_port() for name in ("gateway", "encoder", "prefill", "decode")}
-    flags = [f for name, port in ports.items() for f in (f"--{name}-port", str(port))]
+    ports_file = log_path.with_suffix(".ports.json")
+    ports_file.unlink(missing_ok=True)
+    flags = [
+        *(f"--{name}-port=0" for name in ("gateway", "encoder", "prefill", "decode")),
+        f"--ports-file={ports_file}",
+    ]
     tls_flags = ["--tls-cert", tls["cert"], "--tls-key", tls["key"], "--tls-ca", tls["ca"]] if tls else []
     env = {k: v for k, v in os.environ.items() if k not in ("EPD_API_KEY", "EPD_INTERNAL_SECRET")}
     env["PYTHONPATH"] = str(REPO)
@@ -84,7 +89,7 @@ def start_stack(model: Path, tls: dict[str, str] | None, log_path: Path) -> tupl
     if "stack ready" not in line:
         stop(proc)
         raise SystemExit(f"the stack did not start:\n{log_path.read_text()[-2000:]}")
-    return proc, f"127.0.0.1:{ports['gateway']}"
+    return proc, f"127.0.0.1:{json.loads(ports_file.read_text())['grpc']}"  # written before the ready line
 
 
 def one(client: EpdClient, clip: Path, args) -> tuple[float, float]:

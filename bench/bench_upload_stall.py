@@ -38,12 +38,12 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_vs_transformers_serve import build_model, free_port, log, make_clips, stop  # noqa: E402
+from bench.bench_vs_transformers_serve import build_model, epd_port_flags, log, make_clips, stop  # noqa: E402
 
 
 def start_stack(model: Path, log_path: Path) -> tuple[subprocess.Popen, int]:
-    ports = {name: free_port() for name in ("gateway", "encoder", "prefill", "decode", "http")}
-    flags = [f for name, port in ports.items() for f in (f"--{name}-port", str(port))]
+    ports_file = log_path.with_suffix(".ports.json")
+    flags = epd_port_flags(ports_file)
     env = {k: v for k, v in os.environ.items() if k not in ("EPD_API_KEY", "EPD_INTERNAL_SECRET")}
     env["PYTHONPATH"] = str(REPO)
     with open(log_path, "w") as err:
@@ -54,7 +54,7 @@ def start_stack(model: Path, log_path: Path) -> tuple[subprocess.Popen, int]:
     if "stack ready" not in proc.stdout.readline():
         stop(proc)
         raise SystemExit(f"the stack did not start:\n{log_path.read_text()[-2000:]}")
-    return proc, ports["http"]
+    return proc, json.loads(ports_file.read_text())["http"]  # written before the ready line
 
 
 def _video_message(data: bytes, text: str) -> list[dict]:

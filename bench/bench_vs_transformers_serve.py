@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -87,9 +88,32 @@ def log(message: str) -> None:
 
 
 def free_port() -> int:
+    """A port free now, for a server that cannot bind port 0 and say which it got (`transformers
+    serve`): another process may take it before that server binds it. epd's servers bind port 0
+    themselves (`epd_port_flags`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def epd_port_flags(ports_file: Path, stages: bool = True) -> list[str]:
+    """`epd serve`'s flags for every port a free one the kernel picks, written to `ports_file`
+    (`bound_ports`); `stages` False for --colocate, which has no stage servers."""
+    ports_file.unlink(missing_ok=True)  # an earlier run's
+    stage_ports = [f"--{stage}-port=0" for stage in ("encoder", "prefill", "decode")] if stages else []
+    return ["--gateway-port=0", *stage_ports, "--http-port=auto", f"--ports-file={ports_file}"]
+
+
+def bound_ports(ports_file: Path, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> dict:
+    """The ports `epd serve ... epd_port_flags(ports_file)` bound, once it has written them (its
+    services bind before they load the model); the log's tail if it exits or takes `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not ports_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise SystemExit(f"epd serve did not bind its ports (exit {proc.poll()}); log:\n{tail}")
+        time.sleep(0.1)
+    return json.loads(ports_file.read_text())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,19 +220,15 @@ def torchcodec_env(work: Path, clip: Path) -> dict[str, str]:
 # servers
 
 
-def server_command(name: str, model: Path, args) -> tuple[list[str], dict[str, str], str]:
-    """(command, environment, base URL) of one server on free loopback ports."""
+def server_command(name: str, model: Path, args) -> tuple[list[str], dict[str, str], str | Path]:
+    """(command, environment, base URL) of one server on free loopback ports; for epd, its ports
+    file instead of the URL (it binds ports the kernel picks and names them there: `bound_ports`)."""
     # The repository first, then the caller's own PYTHONPATH: packages installed with `pip install
     # --target` (transformers[serving] and torchcodec beside a shared venv) reach both servers.
     paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     if name.startswith("epd"):
-        ports = {k: free_port() for k in ("gateway", "encoder", "prefill", "decode", "http")}
-        stage_ports = (
-            []
-            if name == "epd-colocate"
-            else [f"--{k}-port={ports[k]}" for k in ("encoder", "prefill", "decode")]
-        )
+        ports_file = args.work / f"{name}.ports.json"
         cmd = [
             sys.executable,
             "-m",
@@ -220,11 +240,7 @@ def server_command(name: str, model: Path, args) -> tuple[list[str], dict[str, s
             str(model),
             "--num-threads",
             "1" if name == "epd-t1" else str(args.epd_threads),
-            "--gateway-port",
-            str(ports["gateway"]),
-            *stage_ports,  # none with --colocate, which has no stage servers
-            "--http-port",
-            str(ports["http"]),
+            *epd_port_flags(ports_file, stages=name != "epd-colocate"),
             # One load client sends every request: lift the per-client limit above the sweep's top level.
             "--max-requests-per-client",
             str(max(c or args.num_requests for c in args.concurrency) + 1),  # 0 = all at once
@@ -235,7 +251,7 @@ def server_command(name: str, model: Path, args) -> tuple[list[str], dict[str, s
         threads = "1" if name == "epd-t1" else args.epd_threads
         if threads.isdigit():
             env["OMP_NUM_THREADS"] = threads
-        return cmd, env, f"http://127.0.0.1:{ports['http']}"
+        return cmd, env, ports_file
     port = free_port()
     cmd = [
         sys.executable,
@@ -295,7 +311,9 @@ def wait_ready(
 def run_server(name: str, model: Path, clips: list[Path], args) -> dict:
     """Start one server, load it at every level, stop it: its sweep, memory and start-up."""
     dialect = "epd" if name.startswith("epd") else "transformers"
-    cmd, env, base_url = server_command(name, model, args)
+    cmd, env, where = server_command(name, model, args)
+    # epd's URL once it has bound its port (`bound_ports`): the bodies do not depend on it
+    base_url = where if isinstance(where, str) else ""
     target = OpenAITarget(base_url, dialect=dialect, media_as="data" if name.startswith("epd") else "path")
 
     def bodies_of(level_clips: list[Path], num_requests: int) -> list[bytes]:
@@ -320,9 +338,20 @@ def run_server(name: str, model: Path, clips: list[Path], args) -> dict:
         proc = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
         )
+    started = time.perf_counter()
+    try:
+        if isinstance(where, Path):  # the stack names its ports once it is ready
+            http_port = bound_ports(where, proc, args.timeout_s, log_path)["http"]
+            target = dataclasses.replace(target, base_url=f"http://127.0.0.1:{http_port}")
+    except BaseException:
+        stop(proc)
+        raise
     out: dict = {"name": name, "command": cmd, "url": target.url, "sweep": []}
     try:
-        out["startup_s"] = wait_ready(proc, target, warm_bodies[0], args.timeout_s, log_path)
+        # from the launch: the wait for the ports file is part of the start-up
+        out["startup_s"] = (time.perf_counter() - started) + wait_ready(
+            proc, target, warm_bodies[0], args.timeout_s, log_path
+        )
         log(f"{name}: answered after {out['startup_s']:.1f} s; {args.warmup} warm-up request(s)")
         if args.warmup:
             asyncio.run(run_openai(target, warm_bodies[: args.warmup], 1, timeout_s=args.timeout_s))

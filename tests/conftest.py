@@ -130,10 +130,7 @@ def shared_stack(tiny_models, tmp_path_factory):
     """One plain stack (tiny Qwen2-VL, default flags, HTTP API on `.http_port`) for the modules that
     need nothing special: each stack costs ~10-15 s of start-up on two cores. Modules that need
     their own flags, or kill and restart processes, start their own."""
-    from tests.stack import Stack, free_port
+    from tests.stack import Stack
 
-    http_port = free_port()
-    extra = {"gateway": ["--http-port", str(http_port)]}
-    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_shared"), extra=extra) as s:
-        s.http_port = http_port
+    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_shared"), http=True) as s:
         yield s

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from epd.cli.health import is_serving
@@ -43,9 +43,11 @@ _handed_out: set[int] = set()
 
 
 def free_port() -> int:
-    """A loopback port free now and never handed out before in this test process: two stack
-    services given the same port (the kernel hands a released port out again) made the second
-    fail to bind while the first answered in its place."""
+    """A loopback port free now and never handed out before in this test process, for an address
+    that must be known before anything listens there (a client dialing a gateway not started yet,
+    a replica nobody serves). Another process can take it meanwhile: a server a test starts binds
+    port 0 itself and names its port in its ports file (`bound_ports`; `Stack`, `stage_replica`).
+    Never handed out twice: the kernel hands a released port out again."""
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -55,43 +57,30 @@ def free_port() -> int:
             return port
 
 
-def port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def port_with_replicas(count: int, taken: set[int]) -> int:
-    """A free port p with p + REPLICA_PORT_STEP * i free too, for i < count (`epd serve --encoders N`
-    puts replica i there); the ports are added to `taken`."""
-    from epd.cli.parsers.serve import REPLICA_PORT_STEP
-
-    while True:
-        port = free_port()
-        wanted = [port + REPLICA_PORT_STEP * i for i in range(count)]
-        if (
-            taken.isdisjoint(wanted)
-            and _handed_out.isdisjoint(wanted[1:])
-            and all(port_is_free(p) for p in wanted)
-        ):
-            taken.update(wanted)
-            _handed_out.update(wanted)  # free_port() hands none of them out later
-            return port
-
-
 def serving_pid(port: int) -> int | None:
-    """The pid of the live process whose command line serves `--port PORT`."""
+    """The pid of the process listening on loopback port `port` (a stopped one too: it still holds
+    the socket; a dead one does not). By the socket, not the command line: a service started with
+    `--port 0` has 0 there."""
     import psutil
 
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        words = " ".join(proc.info["cmdline"] or []).split()
-        serves = "serve" in words and any(pair == ("--port", str(port)) for pair in zip(words, words[1:]))
-        if serves and proc.info["status"] not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-            return proc.pid
+    for conn in psutil.net_connections("tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid is not None:
+            return conn.pid
     return None
+
+
+def bound_ports(ports_file: Path, proc, what: str, timeout_s: float = 180.0) -> dict:
+    """The ports a service started with `--port 0 --ports-file PORTS_FILE` bound, once it has
+    written them; RuntimeError if `proc` exits first or `timeout_s` passes (a deadline for a
+    start-up, not a timing assertion)."""
+    from epd.transport.ports_file import read_ports_file
+
+    deadline = time.monotonic() + timeout_s
+    while (ports := read_ports_file(str(ports_file))) is None:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not bind its ports (exit {proc.poll()})")
+        time.sleep(0.05)
+    return ports
 
 
 def epd_command(*args: str) -> list[str]:
@@ -183,14 +172,17 @@ def _run_epd_captured(
 @contextlib.contextmanager
 def stage_replica(role: str, model: Path, log_dir: Path, *flags: str) -> Iterator[tuple[str, ServiceProcess]]:
     """One more `role` replica beside a Stack's, or alone (forked from the session's zygote, on a
-    loopback port of its own, without the internal secret like a Stack's stages, with `flags`; its
-    log `ROLE-2.log`): (address, process), stopped with SIGTERM on exit. It may still be loading:
-    `wait_until_serving`."""
-    port = free_port()
-    argv = ["serve", role, "--port", str(port), "--model", str(model), *INSECURE_STAGE, *flags]
-    proc = zygote().start(f"{role}-2", argv, child_env(), str(log_dir / f"{role}-2.log"))
+    loopback port the kernel picks, without the internal secret like a Stack's stages, with `flags`;
+    its log `ROLE-2.log`): (address, process), stopped with SIGTERM on exit. It has bound its port,
+    but may still be loading: `wait_until_serving`."""
+    ports_file = log_dir / f"{role}-2.ports.json"
+    ports_file.unlink(missing_ok=True)
+    argv = ["serve", role, "--port", "0", "--ports-file", str(ports_file), "--model", str(model)]
+    proc = zygote().start(
+        f"{role}-2", [*argv, *INSECURE_STAGE, *flags], child_env(), str(log_dir / f"{role}-2.log")
+    )
     try:
-        yield f"127.0.0.1:{port}", proc
+        yield f"127.0.0.1:{bound_ports(ports_file, proc, f'{role}-2')['grpc']}", proc
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -206,25 +198,39 @@ def wait_until_serving(address: str, proc: ServiceProcess, timeout_s: float = 12
         time.sleep(0.2)
 
 
+GatewayFlags = list[str] | Callable[["Stack"], list[str]]
+"""The gateway's own flags in `Stack.extra`: a list, or a function of the stack for flags that name
+the stages' addresses (`stack.address("prefill")`), known once the stages have bound their ports."""
+
+
 class Stack:
-    """Context manager; `.gateway` is the front door's address."""
+    """Context manager; `.gateway` is the front door's address. Every service binds a port the
+    kernel picks (`--port 0`, `--http-port auto` with `http=True`) and writes it to its ports file
+    (`--ports-file`), which the stack reads: no port is picked here, closed, and passed on for
+    another process to take in between (a parallel run did). The stages start first; the gateway,
+    once they have bound, is given their addresses."""
 
     def __init__(
         self,
         model: Path,
         log_dir: Path,
-        extra: dict[str, list[str]] | None = None,
+        extra: Mapping[str, GatewayFlags] | None = None,
         internal_secret: bool = False,
         gateway_env: dict[str, str] | None = None,
+        http: bool = False,
     ) -> None:
-        """gateway_env: variables set in the gateway's environment alone (over the stages' own)."""
+        """gateway_env: variables set in the gateway's environment alone (over the stages' own).
+        http: the gateway serves the HTTP API too, on `.http_port`."""
         self.model = str(model)
         self.log_dir = log_dir
-        self.extra = extra or {}
+        self.extra: dict[str, GatewayFlags] = dict(extra or {})
         self.env = child_env(internal_secret)  # with the secret: see TEST_INTERNAL_SECRET
         self.internal_secret = internal_secret
         self.gateway_env = {**self.env, **(gateway_env or {})}
-        self.ports = {name: free_port() for name in ("encoder", "prefill", "decode", "gateway")}
+        self.http = http
+        self.ports: dict[str, int] = {}
+        """Each service's gRPC port, once it has bound it (in `__enter__`)."""
+        self.http_port: int | None = None
         self.procs: dict[str, subprocess.Popen | ServiceProcess] = {}
 
     @property
@@ -234,54 +240,60 @@ class Stack:
     def address(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
 
+    def ports_file(self, name: str) -> Path:
+        return self.log_dir / f"{name}.ports.json"
+
     def command(self, name: str) -> list[str]:
-        p = self.ports
+        """`name`'s command line: on port 0 (--http-port auto) at first; once it has bound, on the
+        ports it bound, so that a service a test restarts listens where the others were told."""
+        extra = self.extra.get(name, [])
+        own = extra(self) if callable(extra) else extra
+        ports = ["--port", str(self.ports.get(name, 0)), "--ports-file", str(self.ports_file(name))]
         if name == "gateway":
-            args = [
-                "serve",
-                "gateway",
-                "--port",
-                str(p["gateway"]),
-                "--encoder",
-                self.address("encoder"),
-                "--prefill",
-                self.address("prefill"),
-                "--decode",
-                self.address("decode"),
-            ]
+            stages = [f"--{stage}={self.address(stage)}" for stage in ("encoder", "prefill", "decode")]
+            http = ["--http-port", str(self.http_port or "auto")] if self.http else []
+            args = ["serve", "gateway", *ports, *stages, *http]
         else:
-            args = ["serve", name, "--port", str(p[name]), "--model", self.model]
-            if not self.internal_secret and not {"--tls-client-ca", "--internal-secret-file"} & set(
-                self.extra.get(name, [])
-            ):
+            args = ["serve", name, *ports, "--model", self.model]
+            if not self.internal_secret and not {"--tls-client-ca", "--internal-secret-file"} & set(own):
                 args += INSECURE_STAGE
-        return epd_command(*args, *self.extra.get(name, []))
+        return epd_command(*args, *own)
 
     def __enter__(self) -> Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        for name in self.ports:
-            log_path = self.log_dir / f"{name}.log"
-            if name == "gateway":  # no model, no torch: a plain interpreter, as `epd serve` starts it
-                with open(log_path, "w") as log:
-                    self.procs[name] = subprocess.Popen(
-                        self.command(name),
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        env=self.gateway_env,
-                        cwd=ROOT,
-                    )
-            else:
-                log_path.write_text("")
-                self.procs[name] = zygote().start(name, self.command(name)[3:], self.env, str(log_path))
-        deadline = time.monotonic() + 180
-        for name in self.ports:
-            while not is_serving(self.address(name), ROLE_SERVICES[name], timeout_s=1.0):
-                if self.procs[name].poll() is not None or time.monotonic() > deadline:
-                    self.__exit__(None, None, None)
-                    log = (self.log_dir / f"{name}.log").read_text()[-3000:]
-                    raise RuntimeError(f"{name} did not start:\n{log}")
-                time.sleep(0.2)
+        try:
+            for group in (("encoder", "prefill", "decode"), ("gateway",)):
+                for name in group:
+                    self._start(name)
+                for name in group:
+                    bound = bound_ports(self.ports_file(name), self.procs[name], name)
+                    self.ports[name] = bound["grpc"]
+                    if name == "gateway" and self.http:
+                        self.http_port = bound["http"]
+            deadline = time.monotonic() + 180
+            for name in self.procs:
+                while not is_serving(self.address(name), ROLE_SERVICES[name], timeout_s=1.0):
+                    if self.procs[name].poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"{name} did not start")
+                    time.sleep(0.2)
+        except RuntimeError as exc:
+            self.__exit__(None, None, None)
+            name = str(exc).split()[0]
+            log = (self.log_dir / f"{name}.log").read_text()[-3000:]
+            raise RuntimeError(f"{exc}:\n{log}") from None
         return self
+
+    def _start(self, name: str) -> None:
+        log_path = self.log_dir / f"{name}.log"
+        self.ports_file(name).unlink(missing_ok=True)  # a file left by an earlier stack in this directory
+        if name == "gateway":  # no model, no torch: a plain interpreter, as `epd serve` starts it
+            with open(log_path, "w") as log:
+                self.procs[name] = subprocess.Popen(
+                    self.command(name), stdout=log, stderr=subprocess.STDOUT, env=self.gateway_env, cwd=ROOT
+                )
+        else:
+            log_path.write_text("")
+            self.procs[name] = zygote().start(name, self.command(name)[3:], self.env, str(log_path))
 
     def __exit__(self, *exc) -> None:
         for proc in self.procs.values():
@@ -320,23 +332,16 @@ def wait_until(predicate, what: str, timeout_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-def replica_file_stack(
-    model: Path, tmp_path: Path, stage: str, *gateway_flags: str
-) -> tuple[Stack, Path, int]:
+def replica_file_stack(model: Path, tmp_path: Path, stage: str, *gateway_flags: str) -> tuple[Stack, Path]:
     """A Stack (logs in tmp_path/logs) whose gateway takes `stage`'s replicas from a replica file
-    (`--replicas-file`, at first the stack's own replica) and serves HTTP: (the stack, the file,
-    the HTTP port)."""
+    (`--replicas-file`, at first the stack's own replica, written once it has bound) and serves
+    HTTP (`.http_port`): (the stack, the file)."""
     logs = tmp_path / "logs"
     logs.mkdir()
-    http_port = free_port()
-    stack = Stack(model, logs)
     replicas_file = tmp_path / "replicas.json"
-    replicas_file.write_text(json.dumps({stage: [stack.address(stage)]}))
-    stack.extra["gateway"] = [
-        "--replicas-file",
-        str(replicas_file),
-        "--http-port",
-        str(http_port),
-        *gateway_flags,
-    ]
-    return stack, replicas_file, http_port
+
+    def flags(stack: Stack) -> list[str]:
+        replicas_file.write_text(json.dumps({stage: [stack.address(stage)]}))
+        return ["--replicas-file", str(replicas_file), *gateway_flags]
+
+    return Stack(model, logs, extra={"gateway": flags}, http=True), replicas_file

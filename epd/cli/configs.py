@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from epd.cli.flags.arg_types import http_api_port
 from epd.decode_svc.config import DecodeConfig
 from epd.encoder_svc.config import EncoderConfig
 from epd.encoder_svc.token_cache import TokenCacheConfig
@@ -136,6 +137,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=args.host,
         port=args.port,
+        ports_file=args.ports_file,
         grace_s=args.grace_period,
         close_timeout_s=args.close_timeout_s,
         security=transport_security(args),
@@ -388,6 +390,7 @@ def colocated_gateway_config(args: argparse.Namespace) -> GatewayConfig:
         GatewayConfig(
             server=ServerConfig(
                 port=args.gateway_port,
+                ports_file=args.ports_file,
                 grace_s=args.grace_period,
                 close_timeout_s=args.close_timeout_s,  # the local stages' close (`EmbeddedPipeline`)
                 security=security,
@@ -471,7 +474,7 @@ def http_api_config(args: argparse.Namespace) -> HttpApiConfig:
         fetch_timeout_s=args.media_fetch_timeout,
     )
     return HttpApiConfig(
-        port=args.http_port,
+        port=http_api_port(args.http_port),
         host=args.http_host,
         api_keys=api_keys(args),
         no_api_key=args.no_api_key,

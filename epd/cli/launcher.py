@@ -27,10 +27,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from epd.cli.flags.arg_types import ANY_FREE_PORT
 from epd.cli.health import health_answer, is_serving
 from epd.cli.process_exit import EXIT_FAILED, EXIT_MODEL, EXIT_OK, EXIT_USAGE
 from epd.cli.stack_commands import (
     COMMAND_PREFIX_WORDS,
+    MODEL_ROLES,
     check_max_model_len,
     port_clash,
     replica_name,
@@ -46,6 +48,7 @@ from epd.cli.stack_security import (
     stack_transport,
 )
 from epd.cli.supervisor import Replica, RestartPolicy, State, stage_lost
+from epd.transport.ports_file import read_ports_file, write_ports_file
 
 if TYPE_CHECKING:
     from epd.cli.zygote import ServiceProcess
@@ -129,10 +132,6 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
         files.remove()
         print(f"epd serve: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    commands = {
-        name: [*command, *flags["gateway" if name == "gateway" else "stage"]]
-        for name, command in stack_commands(args).items()
-    }
     ports = {"gateway": args.gateway_port} | {
         replica_name(role, i): port
         for role, role_ports in replica_ports(args).items()
@@ -140,9 +139,26 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
     }
     now = time.monotonic()
     slots = [
-        _Slot(name, name.partition("[")[0], ports[name], commands[name], Replica(name, policy, now))
-        for name in ["gateway", *(n for n in commands if n != "gateway")]
+        _Slot(name, name.partition("[")[0], ports[name], [], Replica(name, policy, now))
+        for name in ["gateway", *(n for n in ports if n != "gateway")]
     ]
+    for slot in slots:
+        # Port 0 (--http-port auto): the service binds a free port and names it in its ports file,
+        # read before the launcher dials it; restarts get the command with the port it bound.
+        if slot.port == 0 or (slot.role == "gateway" and args.http_port == ANY_FREE_PORT):
+            slot.ports_file = os.path.join(files.dir, f"{slot.name}.ports.json")
+    if isinstance(args.http_port, int) and args.http_port:
+        slots[0].http_port = args.http_port
+
+    def command(slot: _Slot) -> list[str]:
+        """Its command line, the gateway's with the stages' bound ports (`stack_commands`)."""
+        bound = {role: [s.port for s in slots if s.role == role] for role in MODEL_ROLES}
+        words = [
+            *stack_commands(args, bound)[slot.name],
+            *flags["gateway" if slot.role == "gateway" else "stage"],
+        ]
+        return [*words, "--ports-file", slot.ports_file] if slot.ports_file else words
+
     # The stages' shared busy board: with --num-threads auto, a model call takes the cores the
     # other stages are not using at that moment (epd/model_runtime/threads.py).
     board = new_board_path(files.stack_id)
@@ -155,6 +171,8 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
     zygote = Zygote(preload_modules(model_type, family_module(model_type)))
 
     def start(slot: _Slot) -> Service:
+        if not slot.command:  # the first start: the stages it needs bound (`_wait_ready`)
+            slot.command = command(slot)
         # Own process group: a terminal's Ctrl-C reaches only this launcher, which stops the
         # services in order (_STOP_ORDER); PDEATHSIG still ends them if it is killed (the gateway
         # arms it itself, told the launcher's pid). The gateway holds no model, so it is a plain
@@ -169,12 +187,15 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
     # and turns SERVING when every stage does. With more, it would turn SERVING once one replica of
     # each stage serves, and route to the others only from its next stage check: it is started
     # once they all serve (`_wait_ready`), so that "ready" means every replica is in routing.
-    staggered = max(args.encoders, args.prefills, args.decodes) > 1
+    # So is it when a stage binds a free port: the gateway is given the port it bound.
+    staggered = max(args.encoders, args.prefills, args.decodes) > 1 or any(
+        s.port == 0 for s in slots if s.role != "gateway"
+    )
     try:
         for slot in slots:
             if not (staggered and slot.role == "gateway"):
                 slot.proc = start(slot)
-        return _supervise(slots, start, signals, policy, ready_timeout_s)
+        return _supervise(slots, start, signals, policy, ready_timeout_s, args.ports_file)
     finally:
         _stop_all(slots, stop_wait_s(args.grace_period, args.close_timeout_s), signals)
         zygote.stop()
@@ -188,6 +209,7 @@ def _supervise(
     signals: _Signals,
     policy: RestartPolicy,
     ready_timeout_s: float,
+    ports_file: str = "",
 ) -> int:
     """Wait for every service to serve (one that exits meanwhile stops the stack: a bad port or
     flag would only fail again), then keep them running until a signal (epd/cli/supervisor.py):
@@ -197,6 +219,11 @@ def _supervise(
     by_role: dict[str, list[str]] = {}
     for slot in slots:
         by_role.setdefault(slot.role, []).append(slot.address)
+    if ports_file:
+        gateway, stages = slots[0], slots[1:]
+        bound = {role: [s.port for s in stages if s.role == role] for role in MODEL_ROLES}
+        http = {} if gateway.http_port is None else {"http": gateway.http_port}
+        write_ports_file(ports_file, {"grpc": gateway.port, **http, **bound})
     print(
         "epd: stack ready; "
         + "; ".join(f"{role} at {','.join(addresses)}" for role, addresses in by_role.items()),
@@ -256,6 +283,8 @@ def _wait_ready(
                 continue
             if (code := slot.proc.poll()) is not None:
                 return _exited(slot.name, code)
+            if slot.ports_file and not slot.read_ports_file():  # not bound yet
+                continue
             if is_serving(slot.address, timeout_s=1.0):
                 slot.replica.answered(time.monotonic(), serving=True)
                 pending.remove(slot)
@@ -355,12 +384,29 @@ class _Slot:
     role: str
     port: int
     command: list[str]
+    """Built at its first start (the gateway's needs the stages' bound ports)."""
     replica: Replica
     proc: Service | None = None
+    ports_file: str = ""
+    """Where it writes the ports it bound, when one is 0 (`--ports-file`); "" once read."""
+    http_port: int | None = None
+    """The gateway's HTTP API's port (None: off, or not known yet)."""
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    def read_ports_file(self) -> bool:
+        """Whether it has bound: its ports read from its ports file, and put in its command line in
+        place of 0 and auto (a restart listens where the gateway and clients were told it does)."""
+        if (bound := read_ports_file(self.ports_file)) is None:
+            return False
+        self.port, self.http_port = bound["grpc"], bound.get("http")
+        for flag, port in (("--port", self.port), ("--http-port", self.http_port)):
+            if port is not None and flag in self.command:
+                self.command[self.command.index(flag) + 1] = str(port)
+        self.ports_file = ""
+        return True
 
 
 class _Signals:

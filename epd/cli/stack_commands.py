@@ -15,12 +15,15 @@ _GATEWAY_STAGE_CHECK_S = 1.0
 
 def replica_ports(args: argparse.Namespace) -> dict[str, list[int]]:
     """Each stage's replicas' ports: replica i on the stage's port + REPLICA_PORT_STEP * i (so with
-    one replica, the stage's port)."""
+    one replica, the stage's port); with port 0, 0 for every replica (each binds a free port of
+    its own, which the launcher reads from its ports file)."""
     from epd.cli.parsers.serve import REPLICA_PORT_STEP
 
     return {
         role: [
-            getattr(args, f"{role}_port") + REPLICA_PORT_STEP * i for i in range(getattr(args, f"{role}s"))
+            (port and port + REPLICA_PORT_STEP * i)
+            for i in range(getattr(args, f"{role}s"))
+            for port in [getattr(args, f"{role}_port")]
         ]
         for role in MODEL_ROLES
     }
@@ -35,14 +38,16 @@ def port_clash(args: argparse.Namespace) -> str | None:
     65535), or None."""
     from epd.cli.parsers.serve import REPLICA_PORT_STEP
 
-    taken: dict[int, str] = {args.gateway_port: "gateway"}
-    if args.http_port:
+    taken: dict[int, str] = {args.gateway_port: "gateway"} if args.gateway_port else {}
+    if isinstance(args.http_port, int) and args.http_port:  # not 0 (off) nor auto (a free port)
         if args.http_port in taken:
             return f"--http-port {args.http_port} is also --gateway-port"
         taken[args.http_port] = "the gateway's HTTP API"
     for role, ports in replica_ports(args).items():
         for i, port in enumerate(ports):
             name = replica_name(role, i)
+            if port == 0:  # a free port of its own
+                continue
             if port > 65535:
                 return f"{name} would listen on port {port} (--{role}-port + {REPLICA_PORT_STEP} * {i}), beyond 65535"
             if port in taken:
@@ -84,10 +89,13 @@ def check_max_model_len(model: str, max_model_len: int | None) -> None:
         raise ModelLoadError(model, str(exc)) from None
 
 
-def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
+def stack_commands(
+    args: argparse.Namespace, ports: dict[str, list[int]] | None = None
+) -> dict[str, list[str]]:
     """The command line of each service of the loopback stack, by name ("gateway", "encoder[0]",
     "encoder[1]", ...; the model services' are run forked, without their first `COMMAND_PREFIX_WORDS`
-    words)."""
+    words). `ports`: the replicas' ports the gateway is given, default `replica_ports(args)`; the
+    launcher passes those its port-0 replicas bound."""
     from epd.cli.flags.media import add_sampling_flags
     from epd.cli.flags.model import COMPILING_ROLES
     from epd.decode_svc.config import TTFT_FIRST_DECODE_NICE
@@ -112,7 +120,7 @@ def stack_commands(args: argparse.Namespace) -> dict[str, list[str]]:
         own[role] += ["--structured-compile-timeout-s", str(args.structured_compile_timeout_s)]
     if args.schedule == "ttft-first":
         own["decode"] += ["--nice", str(TTFT_FIRST_DECODE_NICE)]
-    ports = replica_ports(args)
+    ports = ports or replica_ports(args)
     commands = {
         replica_name(role, i): [*base, role, "--port", str(port), *grace, *model, *own[role]]
         for role in MODEL_ROLES

@@ -104,8 +104,9 @@ class WebDemoConfig:
 class HttpApiConfig:
     """The OpenAI-compatible HTTP API, served by the gateway process next to gRPC."""
 
-    port: int = 0
-    """TCP port of the HTTP API; 0 turns it off."""
+    port: int | None = None
+    """TCP port of the HTTP API; None turns it off, 0 binds a free port the kernel picks
+    (`--http-port auto`: the port is in `ServerConfig.ports_file` and the log)."""
     host: str = ""
     """Interface to bind; "" means the gRPC server's host."""
     api_keys: tuple[str, ...] = ()
@@ -246,7 +247,7 @@ class GatewayConfig:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     """Defaults for generation fields a request leaves unset."""
     http: HttpApiConfig = field(default_factory=HttpApiConfig)
-    """The OpenAI-compatible HTTP API (off unless `http.port` is set)."""
+    """The OpenAI-compatible HTTP API (off while `http.port` is None)."""
 
 
 def open_without_key(config: GatewayConfig) -> str | None:
@@ -259,7 +260,7 @@ def open_without_key(config: GatewayConfig) -> str | None:
         return None
     exposed = [] if is_loopback(config.server.host) else [f"gRPC on {config.server.host or '*'} (--host)"]
     http_host = http.host or config.server.host
-    if http.port and not is_loopback(http_host):
+    if http.port is not None and not is_loopback(http_host):
         exposed.append(f"HTTP on {http_host or '*'} (--http-host/--host)")
     if not exposed:
         return None

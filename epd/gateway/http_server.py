@@ -56,7 +56,7 @@ async def start_http_api(
     stage_health: StageHealth | InProcessHealth | None = None,
     admission: Admission | None = None,
 ) -> HttpServer:
-    """Serve the HTTP API on `config.http.port` (0 here binds a free port, for tests);
+    """Serve the HTTP API on `config.http.port` (0 binds a free port: `HttpServer.port`);
     `admission` is shared with the gRPC API so that a client's limit counts both."""
     api = HttpApi(config, pipeline, metrics, stage_health.not_serving if stage_health else None, admission)
     # handler_cancellation: a client that disconnects stops its pipeline run.

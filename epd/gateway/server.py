@@ -1,6 +1,6 @@
 """Start the front door: `start(config)` for tests, `main(config)` for `epd serve gateway`.
 
-`main` serves gRPC and, when `config.http.port` is set, the OpenAI-compatible HTTP API in the
+`main` serves gRPC and, unless `config.http.port` is None, the OpenAI-compatible HTTP API in the
 same event loop, both over one metered pipeline.
 """
 
@@ -107,8 +107,10 @@ async def start(
     health: StageHealth | InProcessHealth | None = None,
     replicas: ReplicaSets | None = None,
     lookup: Lookup = getaddrinfo_lookup,
+    http_port: int | None = None,
 ) -> HealthyServer:
     """`replicas`: what `pipeline`'s pools were built from; default: their lists as they are.
+    `http_port`: the HTTP API's bound port, when it serves one (written to the ports file too).
     `dns:///` names not looked up yet are looked up in the background (`lookup`) once the server
     serves: a slow or unreachable DNS server must not keep the gateway from answering its health
     checks (NOT_SERVING until every stage has a replica serving). `pipeline` stays the caller's
@@ -129,6 +131,7 @@ async def start(
         [SERVICE_NAME],
         interceptors,
         public=True,  # the front door: its internal secret is only presented to the stages
+        other_ports=None if http_port is None else {"http": http_port},
     )
     hs.cut_calls = servicer.cut_calls_in_flight  # at the end of the grace period: each call's own status
     # NOT_SERVING until every stage has a replica serving, and again whenever a stage has none
@@ -177,7 +180,7 @@ async def main(config: GatewayConfig, local: Pipeline | None = None) -> None:
     admission = Admission.of_gateway(config)  # one per process: a client's limit counts both APIs
     http = None
     try:
-        if config.http.port:
+        if config.http.port is not None:
             from epd.gateway.http_server import start_http_api  # aiohttp only when asked for
 
             stage_health = health or StageHealth(config, pools=stage_pools(pipeline))
@@ -189,7 +192,7 @@ async def main(config: GatewayConfig, local: Pipeline | None = None) -> None:
                     "epd serve gateway: --tls-cert was given but the HTTP API (--http-port) serves "
                     "plain HTTP: refusing to expose it unencrypted"
                 )
-        hs = await start(config, pipeline, admission, health, replicas)
+        hs = await start(config, pipeline, admission, health, replicas, http_port=http.port if http else None)
         # HTTP drains alongside gRPC, each for up to the grace period; a second signal cuts both.
         await serve_until_signal(
             hs, config.server.grace_s, signals=signals, drain_too=http.stop if http else None

@@ -103,7 +103,12 @@ class ServerConfig:
     host: str = "127.0.0.1"
     """Interface to bind; 0.0.0.0 in containers."""
     port: int = 0
-    """TCP port; 0 picks a free one (tests)."""
+    """TCP port; 0 binds a free one the kernel picks (`ports_file` and the log say which)."""
+    ports_file: str = ""
+    """Once the server listens (before the model loads), its bound ports are written here as JSON,
+    `{"grpc": PORT}` (the gateway's with `"http": PORT` when it serves HTTP), replacing the file
+    whole (`--ports-file`): how a launcher or a test learns a port 0 bound without racing another
+    process for a port it picked, closed and passed on. "" writes none."""
     max_message_bytes: int = MAX_MESSAGE_BYTES
     """Largest gRPC message sent or received; tensors are chunked below it."""
     grace_s: float = 5.0

@@ -1,5 +1,5 @@
 """A grpc.aio server with what every epd service needs: health, reflection, message limits,
-graceful shutdown. `create_server(config, ...) -> (server, port)` binds port 0 in tests;
+graceful shutdown. `create_server(config, ...) -> (server, port)` binds port 0 (a free port: `--ports-file` says which);
 `run_service(start(config), grace_s)` is a service's whole life in `epd serve ROLE`."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import inspect
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -24,6 +24,7 @@ from epd.transport.auth import InternalSecretInterceptor
 from epd.transport.errors import status_of
 from epd.transport.idle_memory import release_when_idle
 from epd.transport.internal_secrets import internal_secrets
+from epd.transport.ports_file import write_ports_file
 
 log = logging.getLogger(__name__)
 
@@ -234,11 +235,13 @@ async def create_server(
     service_names: list[str],
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     public: bool = False,
+    other_ports: Mapping[str, int] | None = None,
 ) -> HealthyServer:
     """Build and start a server; `register(server)` adds the service's servicers. Every call it
     serves runs under its request id, and every error it answers names it (`tracing.ServerTracing`).
     TLS (mTLS with a client CA) as `config.security` says; a stage (not `public`, unlike the
-    gateway) with an internal secret refuses calls without it, health and reflection aside."""
+    gateway) with an internal secret refuses calls without it, health and reflection aside. Once
+    it listens, its port (and `other_ports`, the gateway's HTTP API's) goes to `config.ports_file`."""
     # so_reuseport off: gRPC enables it by default on Linux, which lets a second server bind a
     # port already in use and silently share its connections (two models behind one address).
     options = [*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)]
@@ -273,6 +276,8 @@ async def create_server(
     await hs.set_serving(False)
     await hs.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     await server.start()
+    if config.ports_file:
+        write_ports_file(config.ports_file, {"grpc": port, **(other_ports or {})})
     return hs
 
 

@@ -19,7 +19,7 @@ from epd.cli.allocator import find_tcmalloc, uses_tcmalloc
 from epd.cli.health import is_serving
 from epd.cli.mkl_dispatch import find_compiler
 from tests.reference import decode_for_test, reference_tokens, reference_tokens_for_messages
-from tests.stack import ROOT, child_env, epd_command, free_port, run_epd_forked, serving_pid
+from tests.stack import ROOT, bound_ports, child_env, epd_command, run_epd_forked, serving_pid
 
 QUESTION = "what colour is the square?"
 
@@ -222,7 +222,7 @@ def test_ask_against_epd_serve(tiny_models, media_files, expected, embedded_json
     tcmalloc where the machine has it (CI installs it), on glibc's malloc where not. The KV memory
     flags given to `epd serve` are the budgets its decode and prefill report, and its
     --served-model-name the id its gateway's /v1/models lists."""
-    ports, http_port = [free_port() for _ in range(4)], free_port()
+    ports_file = tmp_path / "stack.ports.json"
     env = child_env()
     env.pop("LD_PRELOAD", None)  # the launcher's choice, not the test runner's
     serve = subprocess.Popen(
@@ -230,16 +230,9 @@ def test_ask_against_epd_serve(tiny_models, media_files, expected, embedded_json
             "serve",
             "--model",
             str(tiny_models["qwen2_vl"]),
-            "--gateway-port",
-            str(ports[0]),
-            "--encoder-port",
-            str(ports[1]),
-            "--prefill-port",
-            str(ports[2]),
-            "--decode-port",
-            str(ports[3]),
-            "--http-port",
-            str(http_port),
+            # every port one the kernel picks: --ports-file names them
+            *("--gateway-port", "0", "--encoder-port", "0", "--prefill-port", "0", "--decode-port", "0"),
+            *("--http-port", "auto", "--ports-file", str(ports_file)),
             *MEMORY_FLAGS,
             "--served-model-name",
             SERVED_MODEL,
@@ -256,6 +249,9 @@ def test_ask_against_epd_serve(tiny_models, media_files, expected, embedded_json
         while line and "stack ready" not in line:
             line = serve.stdout.readline()
         assert "stack ready" in line, "epd serve exited before it was ready"
+        bound = json.loads(ports_file.read_text())
+        ports = [bound["grpc"], *(bound[stage][0] for stage in ("encoder", "prefill", "decode"))]
+        http_port = bound["http"]
         assert is_serving(f"127.0.0.1:{ports[0]}")
         services = [serving_pid(port) for port in ports[1:]]
         assert None not in services
@@ -303,7 +299,9 @@ def wait_until_serving(serve: subprocess.Popen, grpc_port: int, timeout_s: float
         time.sleep(0.2)
 
 
-def test_serve_colocate_is_one_process_with_the_same_apis_and_answers(tiny_models, media_files, expected):
+def test_serve_colocate_is_one_process_with_the_same_apis_and_answers(
+    tiny_models, media_files, expected, tmp_path
+):
     """`epd serve --colocate`: the front door and the three stages in one process, on the stack's
     ports; answers equal generate()'s; /metrics shows the three in-process cores, with the KV
     memory flags' budgets, and /v1/models lists --served-model-name. With --allocator system it stays on glibc's malloc (the default's
@@ -312,16 +310,18 @@ def test_serve_colocate_is_one_process_with_the_same_apis_and_answers(tiny_model
 
     import psutil
 
-    grpc_port, http_port = free_port(), free_port()
+    ports_file = tmp_path / "colocated.ports.json"
     env = child_env()
     env.pop("LD_PRELOAD", None)
     serve = subprocess.Popen(
         epd_command("serve", "--colocate", "--allocator", "system", "--model", str(tiny_models["qwen2_vl"]),
-                    "--gateway-port", str(grpc_port), "--http-port", str(http_port), *MEMORY_FLAGS,
+                    "--gateway-port", "0", "--http-port", "auto", "--ports-file", str(ports_file), *MEMORY_FLAGS,
                     "--served-model-name", SERVED_MODEL),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=ROOT,
     )  # fmt: skip
     try:
+        bound = bound_ports(ports_file, serve, "epd serve --colocate")
+        grpc_port, http_port = bound["grpc"], bound["http"]
         wait_until_serving(serve, grpc_port)
         assert psutil.Process(serve.pid).children(recursive=True) == [], "one process, no services"
         assert not uses_tcmalloc(serve.pid)
@@ -359,15 +359,16 @@ def test_serve_with_mkl_dispatch_features_preloads_mkls_library(tiny_models, med
     library (its kernels round differently, which only a near tie would show)."""
     from epd.cli.mkl_dispatch import shim_path
 
-    grpc_port, http_port = free_port(), free_port()
+    ports_file = tmp_path / "colocated.ports.json"
     env = {**child_env(), "EPD_CACHE_DIR": str(tmp_path)}
     env.pop("LD_PRELOAD", None)
     serve = subprocess.Popen(
         epd_command("--log-level", "INFO", "serve", "--colocate", "--mkl-dispatch", "features", "--model",
-                    str(tiny_models["qwen2_vl"]), "--gateway-port", str(grpc_port), "--http-port", str(http_port)),
+                    str(tiny_models["qwen2_vl"]), "--gateway-port", "0", "--ports-file", str(ports_file)),
         stdout=subprocess.DEVNULL, stderr=(log := (tmp_path / "serve.log").open("w")), env=env, cwd=ROOT,
     )  # fmt: skip
     try:
+        grpc_port = bound_ports(ports_file, serve, "epd serve --colocate --mkl-dispatch features")["grpc"]
         wait_until_serving(serve, grpc_port)
         library = shim_path(tmp_path)
         assert library.is_file()

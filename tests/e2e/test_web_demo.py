@@ -14,7 +14,7 @@ import pytest
 
 from epd.client import EpdClient
 from tests.e2e import chromium  # noqa: F401 - skips this module without Chromium and Playwright
-from tests.stack import Stack, free_port
+from tests.stack import Stack
 
 API_KEY = "demo-key"
 QUESTION = "what colour is the moving square?"
@@ -26,10 +26,9 @@ TIMEOUT_MS = 60_000
 
 @pytest.fixture(scope="module")
 def stack(tiny_models, tmp_path_factory):
-    http_port = free_port()
-    extra = {"gateway": ["--http-port", str(http_port), "--api-key", API_KEY]}
-    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_web"), extra=extra) as s:
-        s.http_url = f"http://127.0.0.1:{http_port}/"
+    extra = {"gateway": ["--api-key", API_KEY]}
+    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_web"), extra=extra, http=True) as s:
+        s.http_url = f"http://127.0.0.1:{s.http_port}/"
         yield s
 
 

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 from tests.e2e import chromium  # noqa: F401 - skips this module without Chromium and Playwright
-from tests.stack import Stack, free_port
+from tests.stack import Stack
 
 QUESTION = "what colour is it?"
 MAX_TOKENS = 12
@@ -35,10 +35,9 @@ def stack(tmp_path_factory):
     model = build_checkpoint(
         tmp_path_factory.mktemp("demo_reasoning") / "qwen3_5", TinyVLMSpec(family="qwen3_5")
     )
-    http_port = free_port()
-    extra = {"gateway": ["--http-port", str(http_port), "--reasoning-parser", "qwen3"]}
-    with Stack(model, tmp_path_factory.mktemp("logs_demo_reasoning"), extra=extra) as s:
-        s.http_url = f"http://127.0.0.1:{http_port}/"
+    extra = {"gateway": ["--reasoning-parser", "qwen3"]}
+    with Stack(model, tmp_path_factory.mktemp("logs_demo_reasoning"), extra=extra, http=True) as s:
+        s.http_url = f"http://127.0.0.1:{s.http_port}/"
         s.model_dir = model
         yield s
 

@@ -29,7 +29,7 @@ from epd.video.types import SamplingOptions
 from tests.embedded import request_summary
 from tests.local_http import post_json
 from tests.reference import decode_for_test, template_reference
-from tests.stack import INSECURE_STAGE, Stack, free_port, run_epd_forked
+from tests.stack import INSECURE_STAGE, Stack, run_epd_forked
 
 MAX_NEW_TOKENS = 8
 NUM_FRAMES = 4
@@ -219,13 +219,12 @@ def test_the_stack_serves_a_prefill_started_with_a_template_file(tiny_models, tm
     path = tiny_models["qwen2_vl"]
     template_file = tmp_path / "override.jinja"
     template_file.write_text(OVERRIDE)
-    http_port = free_port()
     extra = {
         "prefill": ["--chat-template", str(template_file), "--trust-request-chat-template"],
-        "gateway": ["--http-port", str(http_port)],
     }
     body = {"model": "epd", "messages": TEXT_ONLY, "max_tokens": MAX_NEW_TOKENS}
-    with Stack(path, tmp_path / "logs", extra=extra) as stack:
+    with Stack(path, tmp_path / "logs", extra=extra, http=True) as stack:
+        http_port = stack.http_port
         for template in (OVERRIDE, REQUEST_TEMPLATE):
             prompt_ids, want = template_reference(path, TEXT_ONLY, MAX_NEW_TOKENS, chat_template=template)
             fields = {} if template is OVERRIDE else {"chat_template": template}
@@ -249,7 +248,7 @@ def test_the_stack_serves_a_prefill_started_with_a_template_file(tiny_models, tm
 def test_a_template_that_does_not_parse_stops_the_prefill_service_at_start(tiny_models):
     # forked from the session's zygote, as a stack's prefill is: the same `epd serve prefill`
     proc = run_epd_forked(
-        "serve", "prefill", "--port", str(free_port()), "--model", str(tiny_models["qwen2_vl"]),
+        "serve", "prefill", "--port", "0", "--model", str(tiny_models["qwen2_vl"]),
         "--chat-template", "{% if messages %}unclosed", *INSECURE_STAGE, timeout_s=120,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr

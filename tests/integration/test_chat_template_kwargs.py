@@ -32,7 +32,7 @@ from tests.embedded import request_summary
 from tests.families import FAMILIES, family_checkpoints
 from tests.local_http import post_json, sse_chunks
 from tests.reference import decode_for_test, template_reference
-from tests.stack import Stack, free_port
+from tests.stack import Stack
 
 MAX_NEW_TOKENS = 8
 NUM_FRAMES = 4
@@ -234,8 +234,8 @@ def test_the_stack_takes_the_templates_variables_at_every_door(thinking_qwen2_vl
         "chat_template_kwargs": NO_THINKING,
     }
     text_ids, text_want = template_reference(path, TEXT_ONLY, MAX_NEW_TOKENS, **NO_THINKING)
-    http_port = free_port()
-    with Stack(path, tmp_path / "logs", extra={"gateway": ["--http-port", str(http_port)]}) as stack:
+    with Stack(path, tmp_path / "logs", http=True) as stack:
+        http_port = stack.http_port
         status, reply = _chat(http_port, body)
         assert status == 200, reply
         assert reply["epd"]["token_ids"] == want and reply["usage"]["prompt_tokens"] == len(prompt_ids)

@@ -30,7 +30,7 @@ from tests.embedded import request_summary
 from tests.families import FAMILIES, family_checkpoints
 from tests.local_http import post_json, sse_chunks
 from tests.reference import decode_for_test, template_reference
-from tests.stack import Stack, free_port
+from tests.stack import Stack
 
 MAX_NEW_TOKENS = 8
 NUM_FRAMES = 4
@@ -220,8 +220,8 @@ def test_a_conversation_the_models_template_refuses_is_a_400_quoting_it(tiny_mod
         {"role": "assistant", "content": "The colour is"},
     ]
     said = f"the model's chat template cannot render this conversation: {NO_USER_QUERY}"
-    http_port = free_port()
-    with Stack(model, tmp_path / "logs", extra={"gateway": ["--http-port", str(http_port)]}) as stack:
+    with Stack(model, tmp_path / "logs", http=True) as stack:
+        http_port = stack.http_port
         status, body = post_json(
             http_port,
             CHAT,

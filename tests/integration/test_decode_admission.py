@@ -17,20 +17,17 @@ import pytest
 
 from epd.client import AsyncEpdClient, EpdClient
 from epd.client.types import EpdError, TokenDelta
-from tests.stack import Stack, free_port
+from tests.stack import Stack
 
 QUESTION = "what colour is the square?"
 
 
 def _stack(tiny_models, tmp_path_factory, name: str, decode_flags: list[str], prefill_flags: list[str] = ()):
-    http_port = free_port()
     extra = {
-        "gateway": ["--http-port", str(http_port)],
         "decode": decode_flags,
         "prefill": list(prefill_flags),
     }
-    stack = Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp(name), extra=extra)
-    stack.http_port = http_port
+    stack = Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp(name), extra=extra, http=True)
     return stack
 
 

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from epd.cli.health import health_answer
 from epd.client import EpdClient
 from epd.gateway.dns_replicas import replica_address
-from tests.stack import ROOT, Stack, child_env, free_port
+from tests.stack import ROOT, Stack, bound_ports, child_env
 
 QUESTION = "what colour is the moving square?"
 OPTIONS = {"num_frames": 4, "max_new_tokens": 6}
@@ -41,15 +41,24 @@ def _labels(port: int, sample_name: str, stage: str) -> set[str]:
 
 
 def test_a_dns_name_is_routed_as_one_replica_per_address(tiny_models, tmp_path, shared_stack, media_files):
-    http_port = free_port()
-    stack = Stack(tiny_models["qwen2_vl"], tmp_path / "logs")
-    port, dead = stack.ports["prefill"], free_port()
-    stack.extra["gateway"] = ["--prefill", f"dns:///localhost:{port},dns:///localhost:{dead}",
-                              "--http-port", str(http_port)]  # fmt: skip
-    resolved = {replica_address(info[4][0], p) for p in (port, dead)
-                for info in socket.getaddrinfo("localhost", p, type=socket.SOCK_STREAM)}  # fmt: skip
-    assert {f"127.0.0.1:{port}", f"127.0.0.1:{dead}"} <= resolved
-    with stack:
+    # Bound, never listening: a call to it is refused, and no other process can take the port.
+    dead_socket = socket.socket()
+    dead_socket.bind(("127.0.0.1", 0))
+    dead = dead_socket.getsockname()[1]
+
+    def gateway_flags(stack: Stack) -> list[str]:
+        return ["--prefill", f"dns:///localhost:{stack.ports['prefill']},dns:///localhost:{dead}"]
+
+    with (
+        dead_socket,
+        Stack(
+            tiny_models["qwen2_vl"], tmp_path / "logs", extra={"gateway": gateway_flags}, http=True
+        ) as stack,
+    ):
+        port, http_port = stack.ports["prefill"], stack.http_port
+        resolved = {replica_address(info[4][0], p) for p in (port, dead)
+                    for info in socket.getaddrinfo("localhost", p, type=socket.SOCK_STREAM)}  # fmt: skip
+        assert {f"127.0.0.1:{port}", f"127.0.0.1:{dead}"} <= resolved
         with EpdClient(stack.gateway, timeout_s=120) as client:
             answer = client.ask(media_files["mp4"], QUESTION, **OPTIONS)
         # Every replica has an error series, answering or not: the router's replicas are the addresses.
@@ -113,18 +122,26 @@ def test_a_gateway_whose_dns_lookup_hangs_serves_its_probes_and_routes_once_it_a
     and not ready (gRPC NOT_SERVING, HTTP /health 503: no prefill replica serving); once the
     resolver answers it routes to the shared stack's prefill and answers as the stack does; SIGTERM
     stops it while a lookup hangs. Before, it bound nothing until the lookup returned."""
-    flag, http_port, port = tmp_path / "dns-answers", free_port(), free_port()
-    args = ["serve", "gateway", "--port", str(port), "--http-port", str(http_port),
+    flag, ports_file = tmp_path / "dns-answers", tmp_path / "gateway.ports.json"
+    args = ["serve", "gateway", "--port", "0", "--http-port", "auto", "--ports-file", str(ports_file),
             "--encoder", shared_stack.address("encoder"), "--decode", shared_stack.address("decode"),
             "--prefill", f"dns:///hung.epd.test:{shared_stack.ports['prefill']}"]  # fmt: skip
     log_path = tmp_path / "gateway.log"
 
-    def started(args: list[str]) -> subprocess.Popen:
+    def started(args: list[str]) -> tuple[subprocess.Popen, dict]:
+        """The gateway, and the ports it bound."""
+        ports_file.unlink(missing_ok=True)
         with open(log_path, "a") as log:
-            return subprocess.Popen([sys.executable, "-c", _HUNG_DNS_GATEWAY, str(flag), *args], stdout=log,
-                                    stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT)  # fmt: skip
+            gateway = subprocess.Popen([sys.executable, "-c", _HUNG_DNS_GATEWAY, str(flag), *args], stdout=log,
+                                       stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT)  # fmt: skip
+        try:
+            return gateway, bound_ports(ports_file, gateway, "the gateway")
+        except RuntimeError:
+            _stop(gateway, log_path)
+            raise AssertionError(log_path.read_text()[-3000:]) from None
 
-    gateway = started(args)
+    gateway, bound = started(args)
+    port, http_port = bound["grpc"], bound["http"]
     try:
         deadline = time.monotonic() + WAIT_S  # a deadline for a start-up, not a timing assertion
         while health_answer(f"127.0.0.1:{port}", "liveness", timeout_s=1.0) is not True:
@@ -147,8 +164,8 @@ def test_a_gateway_whose_dns_lookup_hangs_serves_its_probes_and_routes_once_it_a
         _stop(gateway, log_path)
     # Stopped while its lookup hangs: the lookup's thread does not hold the process up.
     flag.unlink()
-    port = free_port()
-    gateway = started([*args[:3], str(port), *args[4:]])
+    gateway, bound = started(args)
+    port = bound["grpc"]
     try:
         deadline = time.monotonic() + WAIT_S
         while health_answer(f"127.0.0.1:{port}", "liveness", timeout_s=1.0) is not True:

@@ -101,9 +101,10 @@ def _wait_for_log(path: Path, text: str, times: int) -> None:
 def test_engine_samples_follow_the_replica_file(tiny_models, tmp_path):
     """The replicas of the file at start keep their samples across its changes (also when one is
     taken out and put back), a replica the file adds gets samples, a removed one has none."""
-    stack, replicas_file, http_port = replica_file_stack(tiny_models["qwen2_vl"], tmp_path, "encoder")
-    first, gateway_log = stack.address("encoder"), stack.log_dir / "gateway.log"
+    stack, replicas_file = replica_file_stack(tiny_models["qwen2_vl"], tmp_path, "encoder")
+    gateway_log = stack.log_dir / "gateway.log"
     with stage_replica("encoder", tiny_models["qwen2_vl"], stack.log_dir) as (second, replica), stack:
+        first, http_port = stack.address("encoder"), stack.http_port
         wait_until_serving(second, replica)
         assert _replicas_with_samples(_metrics(http_port), "encoder") == {first}
 

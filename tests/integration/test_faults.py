@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+import json
 import os
 import signal
 import subprocess
@@ -41,13 +42,12 @@ import pytest
 from PIL import Image
 
 from epd.cli.health import is_serving
-from epd.cli.parsers.serve import REPLICA_PORT_STEP
 from epd.client import AsyncEpdClient, EpdError, TokenDelta
 from epd.client.retry import NO_RETRY
 from epd.transport.affinity import rendezvous_order
 from epd.transport.auth import INTERNAL_AUTH_KEY
 from epd.v1 import load_pb2, load_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from tests.stack import ROOT, child_env, epd_command, port_with_replicas, serving_pid
+from tests.stack import ROOT, child_env, epd_command, serving_pid
 
 FRAMES = 4
 TOKENS = 12
@@ -119,23 +119,23 @@ class Outcome:
 
 @pytest.fixture(scope="module")
 def stack(tiny_models, tmp_path_factory):
-    taken: set[int] = set()
-    ports = {role: port_with_replicas(2, taken) for role in ("encoder", "prefill", "decode")}
-    gateway_port = port_with_replicas(1, taken)
     log = tmp_path_factory.mktemp("logs_faults") / "stack.log"
+    ports_file = log.with_suffix(".ports.json")  # every port one the kernel picks, named there
     with open(log, "w") as stderr:
         launcher = subprocess.Popen(
             epd_command("serve", "--model", str(tiny_models["qwen2_vl"]), "--encoders", "2", "--prefills", "2",
-                        "--decodes", "2", "--encoder-port", str(ports["encoder"]), "--prefill-port",
-                        str(ports["prefill"]), "--decode-port", str(ports["decode"]), "--gateway-port",
-                        str(gateway_port), "--http-port", "0", "--max-requests-per-client", str(4 * IN_FLIGHT),
-                        "--health-timeout", "60"),
+                        "--decodes", "2", "--encoder-port", "0", "--prefill-port", "0", "--decode-port", "0",
+                        "--gateway-port", "0", "--ports-file", str(ports_file), "--http-port", "0",
+                        "--max-requests-per-client", str(4 * IN_FLIGHT), "--health-timeout", "60"),
             stdout=subprocess.PIPE, stderr=stderr, text=True, env=child_env(), cwd=ROOT)  # fmt: skip
     try:
         ready = launcher.stdout.readline() if launcher.stdout else ""
         assert "stack ready" in ready, f"exit {launcher.poll()}: {ready!r}\n{log.read_text()}"
-        replicas = {role: [f"127.0.0.1:{port + REPLICA_PORT_STEP * i}" for i in range(2)]
-                    for role, port in ports.items()}  # fmt: skip
+        bound = json.loads(ports_file.read_text())  # written before the line
+        replicas = {
+            role: [f"127.0.0.1:{port}" for port in bound[role]] for role in ("encoder", "prefill", "decode")
+        }
+        gateway_port = bound["grpc"]
         yield FaultStack(launcher, log, f"127.0.0.1:{gateway_port}", replicas, internal_auth(launcher))
     finally:
         launcher.send_signal(signal.SIGTERM)

@@ -37,7 +37,7 @@ from epd.v1 import (
     prefill_pb2_grpc,
 )
 from tests.raw_http import request
-from tests.stack import INTERNAL_AUTH_METADATA, TEST_INTERNAL_SECRET, Stack, free_port
+from tests.stack import INTERNAL_AUTH_METADATA, TEST_INTERNAL_SECRET, Stack
 
 API_KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -74,14 +74,16 @@ def assert_documented(error: grpc.RpcError) -> None:
 
 @pytest.fixture(scope="module")
 def stack(tiny_models, tmp_path_factory):
-    http_port = free_port()
-    extra = {"gateway": ["--http-port", str(http_port), "--api-key", API_KEY, "--max-upload-bytes", "200000"]}
+    extra = {"gateway": ["--api-key", API_KEY, "--max-upload-bytes", "200000"]}
     # With the internal secret, as deployed: the stage fuzzers present it (and check that calls
     # without it get UNAUTHENTICATED only), so the junk reaches the servicers behind the check.
     with Stack(
-        tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_fuzz"), extra=extra, internal_secret=True
+        tiny_models["qwen2_vl"],
+        tmp_path_factory.mktemp("logs_fuzz"),
+        extra=extra,
+        internal_secret=True,
+        http=True,
     ) as s:
-        s.http_port = http_port
         yield s
 
 

@@ -27,7 +27,7 @@ from epd.model_runtime.config import ModelConfig
 from epd.stages.server_config import ServerConfig
 from epd.stages.tokenize import MAX_DETOKENIZE_TOKENS
 from epd.v1 import gateway_pb2, gateway_pb2_grpc, messages_pb2
-from tests.stack import Stack, free_port
+from tests.stack import Stack
 
 API_KEY = "tokenize-test-key"
 CONVERSATION = [
@@ -41,10 +41,10 @@ VIDEO_MESSAGE = {"role": "user", "content": [{"type": "video"}, {"type": "text",
 
 @pytest.fixture(scope="module")
 def stack(tiny_models, tmp_path_factory):
-    http_port = free_port()
-    extra = {"gateway": ["--api-key", API_KEY, "--http-port", str(http_port)]}
-    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_tokenize"), extra=extra) as s:
-        s.http_port = http_port
+    extra = {"gateway": ["--api-key", API_KEY]}
+    with Stack(
+        tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_tokenize"), extra=extra, http=True
+    ) as s:
         yield s
 
 

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from epd.client import VIDEO, EpdClient, Message
-from tests.stack import Stack, free_port
+from tests.stack import Stack
 
 API_KEY = "test-key-123"
 MODEL = "tiny-qwen2-vl"
@@ -37,10 +37,8 @@ def allowed_dir(tmp_path_factory, media_files):
 
 @pytest.fixture(scope="module")
 def stack(tiny_models, tmp_path_factory, allowed_dir):
-    http_port = free_port()
     extra = {
         "gateway": [
-            "--http-port", str(http_port),
             "--api-key", API_KEY,
             "--served-model-name", MODEL,
             "--allowed-local-media-path", str(allowed_dir),
@@ -48,8 +46,7 @@ def stack(tiny_models, tmp_path_factory, allowed_dir):
             "--allowed-media-domains", "localhost,127.0.0.1,10.1.2.3,allowed.invalid",
         ]
     }  # fmt: skip
-    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_http"), extra=extra) as s:
-        s.http_port = http_port
+    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_http"), extra=extra, http=True) as s:
         yield s
 
 

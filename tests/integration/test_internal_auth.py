@@ -20,7 +20,7 @@ from epd.client import EpdClient, EpdError
 from epd.transport.auth import MISSING_SECRET_MESSAGE
 from epd.v1 import load_pb2, load_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.pki import make_pki
-from tests.stack import INTERNAL_AUTH_METADATA, ROOT, Stack, child_env, epd_command, free_port
+from tests.stack import INTERNAL_AUTH_METADATA, ROOT, Stack, bound_ports, child_env, epd_command
 
 QUESTION = "what colour is the moving square?"
 OPTIONS = {"num_frames": 4, "max_new_tokens": 6}
@@ -97,13 +97,15 @@ def test_prefill_refuses_kv_pulls_and_releases_without_the_secret(stack):
 
 def test_a_gateway_without_the_secret_gets_its_stage_calls_refused(stack, media_files, tmp_path):
     """The other side: a front door that does not know the secret cannot use the stages."""
-    port = free_port()
     env = {k: v for k, v in child_env().items() if k != "EPD_INTERNAL_SECRET"}
+    ports_file = tmp_path / "gateway.ports.json"
     cmd = epd_command(
         "serve",
         "gateway",
         "--port",
-        str(port),
+        "0",
+        "--ports-file",
+        str(ports_file),
         "--encoder",
         stack.address("encoder"),
         "--prefill",
@@ -114,6 +116,7 @@ def test_a_gateway_without_the_secret_gets_its_stage_calls_refused(stack, media_
     with open(tmp_path / "gateway.log", "w") as log:
         gateway = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     try:
+        port = bound_ports(ports_file, gateway, "the gateway", timeout_s=60)["grpc"]
         deadline = time.monotonic() + 60
         while not _serving_or_none(f"127.0.0.1:{port}"):
             assert gateway.poll() is None and time.monotonic() < deadline, (
@@ -144,8 +147,8 @@ def test_epd_serve_makes_its_own_secret_and_serves_tls_keys_and_limits(tiny_mode
     launcher removes its files when it stops."""
     pki = make_pki(tmp_path)
     cert, key = pki["service"]
-    ports = {name: free_port() for name in ("gateway", "encoder", "prefill", "decode")}
-    flags = [f for name, port in ports.items() for f in (f"--{name}-port", str(port))]
+    ports_file = tmp_path / "stack.ports.json"
+    flags = [f for name in ("gateway", "encoder", "prefill", "decode") for f in (f"--{name}-port", "0")]
     tls = ["--tls-cert", cert, "--tls-key", key, "--tls-ca", pki["ca"], "--tls-client-ca", pki["stranger_ca"]]
     env = {k: v for k, v in child_env().items() if k not in ("EPD_INTERNAL_SECRET", "EPD_API_KEY")}
     with open(tmp_path / "stack.log", "w") as log:
@@ -162,6 +165,8 @@ def test_epd_serve_makes_its_own_secret_and_serves_tls_keys_and_limits(tiny_mode
                 "3",
                 *tls,
                 *flags,
+                "--ports-file",
+                str(ports_file),
             ),
             stdout=subprocess.PIPE,
             stderr=log,
@@ -173,6 +178,11 @@ def test_epd_serve_makes_its_own_secret_and_serves_tls_keys_and_limits(tiny_mode
         assert launcher.stdout is not None
         line = launcher.stdout.readline()
         assert line.startswith("epd: stack ready"), (tmp_path / "stack.log").read_text()
+        bound = json.loads(ports_file.read_text())
+        ports = {
+            "gateway": bound["grpc"],
+            **{stage: bound[stage][0] for stage in ("encoder", "prefill", "decode")},
+        }
         # The gateway is a plain child process (the stages are forked, titled by setproctitle).
         gateway = next(p for p in psutil.Process(launcher.pid).children() if "gateway" in p.cmdline())
         cmdline = gateway.cmdline()
@@ -252,7 +262,7 @@ def test_a_stage_without_the_secret_does_not_start_wherever_it_binds(host, where
     """Off only by an explicit flag (--insecure-no-internal-auth), on loopback too."""
     env = {k: v for k, v in child_env().items() if k != "EPD_INTERNAL_SECRET"}
     proc = subprocess.run(
-        epd_command("serve", "decode", "--host", host, "--port", str(free_port())),
+        epd_command("serve", "decode", "--host", host, "--port", "0"),
         capture_output=True,
         text=True,
         env=env,

@@ -36,7 +36,7 @@ from epd.transport.remote_prefill import RemotePrefillStage
 from epd.transport.replica_pool import ReplicaPool
 from epd.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from epd.video.types import SamplingOptions
-from tests.stack import ROOT, Stack, VerboseStack, child_env, free_port, wait_until
+from tests.stack import ROOT, Stack, VerboseStack, child_env, wait_until
 
 QUESTION = "what colour is the square?"
 KV_TTL_S = 5.0
@@ -48,11 +48,10 @@ MAX_TRANSFER_BYTES = 1 << 30
 @pytest.fixture(scope="module")
 def stack(tiny_models, tmp_path_factory):
     # No prefix cache: the two prefills of one question below must compute the same KV afresh.
-    http_port = free_port()
-    extra = {"prefill": ["--kv-ttl", str(KV_TTL_S), "--prefix-cache-bytes", "0", "--kv-store-bytes", str(KV_STORE_BYTES)],
-             "gateway": ["--http-port", str(http_port)]}  # fmt: skip
-    with VerboseStack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_kv"), extra=extra) as s:
-        s.http_port = http_port
+    extra = {"prefill": ["--kv-ttl", str(KV_TTL_S), "--prefix-cache-bytes", "0", "--kv-store-bytes", str(KV_STORE_BYTES)]}  # fmt: skip
+    with VerboseStack(
+        tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_kv"), extra=extra, http=True
+    ) as s:
         yield s
 
 

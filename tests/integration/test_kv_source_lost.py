@@ -20,10 +20,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from epd.cli.health import is_serving
 from epd.transport.affinity import rendezvous_order
 from tests.integration.test_n_choices import _wait_until_nothing_is_held
-from tests.stack import INSECURE_STAGE, Stack, child_env, free_port, zygote
+from tests.stack import Stack, stage_replica, wait_until_serving
 
 FRAMES = 4
 
@@ -80,31 +79,20 @@ class TwoPrefills:
 def two_prefills(tiny_models, tmp_path: Path) -> Iterator[TwoPrefills]:
     """A stack with a second prefill replica and a decoder that runs one request at a time (the
     next request waits for the first, its cache at prefill)."""
-    http_port = free_port()
-    stack = Stack(tiny_models["qwen2_vl"], tmp_path / "logs")
-    second = f"127.0.0.1:{free_port()}"
-    prefills = [stack.address("prefill"), second]
-    stack.extra["gateway"] = ["--prefill", ",".join(prefills), "--http-port", str(http_port)]
-    stack.extra["decode"] = ["--max-running-requests", "1"]
-    (tmp_path / "logs").mkdir(parents=True)
-    argv = [
-        "serve",
-        "prefill",
-        "--port",
-        second.rsplit(":", 1)[1],
-        "--model",
-        str(tiny_models["qwen2_vl"]),
-        *INSECURE_STAGE,
-    ]
-    replica = zygote().start("prefill-2", argv, child_env(), str(tmp_path / "logs" / "prefill-2.log"))
-    try:
-        with stack:
-            assert is_serving(second, timeout_s=30.0)
-            yield TwoPrefills(stack, replica, http_port, prefills)
-    finally:
-        if replica.poll() is None:
-            replica.send_signal(signal.SIGTERM)
-        replica.wait(timeout=30)
+    logs = tmp_path / "logs"
+    logs.mkdir(parents=True)
+    prefills: list[str] = []
+
+    def gateway_flags(stack: Stack) -> list[str]:
+        prefills[:] = [stack.address("prefill"), second]
+        return ["--prefill", ",".join(prefills)]
+
+    with stage_replica("prefill", tiny_models["qwen2_vl"], logs) as (second, replica):
+        extra = {"gateway": gateway_flags, "decode": ["--max-running-requests", "1"]}
+        with Stack(tiny_models["qwen2_vl"], logs, extra=extra, http=True) as stack:
+            wait_until_serving(second, replica)
+            assert stack.http_port is not None
+            yield TwoPrefills(stack, replica, stack.http_port, prefills)
 
 
 def in_thread(answers: dict[str, dict | BaseException], name: str, *args, **fields) -> threading.Thread:

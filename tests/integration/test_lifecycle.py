@@ -36,7 +36,6 @@ from tests.stack import (
     ROOT,
     child_env,
     epd_command,
-    free_port,
     run_epd_forked,
     stage_replica,
     wait_until_serving,
@@ -83,11 +82,8 @@ def _processes_naming(text: str) -> list[psutil.Process]:
 
 
 def _stack_ports() -> list[str]:
-    return [
-        flag
-        for name in ("gateway", "encoder", "prefill", "decode")
-        for flag in (f"--{name}-port", str(free_port()))
-    ]
+    """Every port one the kernel picks: nothing here picks a port for another process to take."""
+    return [flag for name in ("gateway", "encoder", "prefill", "decode") for flag in (f"--{name}-port", "0")]
 
 
 @pytest.mark.parametrize("how", sorted(REASONS))
@@ -115,7 +111,7 @@ def test_one_service_reports_its_model_and_closes_cleanly(tiny_models, tmp_path)
     model = _break(tiny_models["qwen2_vl"], "truncated weights", tmp_path)
     # forked from the session's zygote, as a stack's prefill is: the same `epd serve prefill`
     proc = run_epd_forked(
-        "serve", "prefill", "--port", str(free_port()), "--model", str(model), *INSECURE_STAGE, timeout_s=120
+        "serve", "prefill", "--port", "0", "--model", str(model), *INSECURE_STAGE, timeout_s=120
     )
     assert proc.returncode == EXIT_MODEL, proc.stderr
     assert (
@@ -161,7 +157,15 @@ def _start_stack(
         env["TMPDIR"] = str(tmpdir)
     launcher = subprocess.Popen(
         epd_command(
-            "serve", "--model", str(tiny_models["qwen2_vl"]), "--http-port", "0", *_stack_ports(), *flags
+            "serve",
+            "--model",
+            str(tiny_models["qwen2_vl"]),
+            "--http-port",
+            "0",
+            *_stack_ports(),
+            "--ports-file",
+            str(tmp_path / "stack.ports.json"),
+            *flags,
         ),
         stdout=subprocess.PIPE,
         stderr=log,
@@ -396,8 +400,9 @@ def test_sigterm_lets_a_call_in_flight_finish(tiny_models, media_files, tmp_path
     assert code == 0, (tmp_path / "encoder-2.log").read_text()
 
 
-def _stack_address(launcher_argv: list[str]) -> str:
-    return f"127.0.0.1:{launcher_argv[launcher_argv.index('--gateway-port') + 1]}"
+def _stack_address(tmp_path: Path) -> str:
+    """The gateway's address of `_start_stack(..., tmp_path)`, from the ports file it wrote when ready."""
+    return f"127.0.0.1:{json.loads((tmp_path / 'stack.ports.json').read_text())['grpc']}"
 
 
 def test_sigterm_to_every_process_of_the_stack_still_drains_the_call_in_flight(
@@ -415,7 +420,7 @@ def test_sigterm_to_every_process_of_the_stack_still_drains_the_call_in_flight(
     launcher, children = _start_stack(tiny_models, tmp_path)
     num_tokens = 0
     try:
-        with EpdClient(_stack_address(launcher.args), retry=RetryPolicy(max_attempts=1)) as client:
+        with EpdClient(_stack_address(tmp_path), retry=RetryPolicy(max_attempts=1)) as client:
             for item in client.stream(
                 media_files["mp4"], "what?", num_frames=4, max_new_tokens=2000, ignore_eos=True
             ):

@@ -19,7 +19,7 @@ from epd.client import NO_RETRY, EpdClient, EpdError, RetryPolicy
 from epd.gateway.admission import max_body_bytes
 from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.raw_http import Connection, Response, request
-from tests.stack import ROOT, Stack, free_port
+from tests.stack import ROOT, Stack
 
 API_KEY = "malformed-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -33,18 +33,17 @@ QUESTION = "what colour is the moving square?"
 
 @pytest.fixture(scope="module")
 def stack(tiny_models, tmp_path_factory):
-    http_port = free_port()
     extra = {
         "gateway": [
-            "--http-port", str(http_port),
             "--api-key", API_KEY,
             "--max-upload-bytes", str(UPLOAD_LIMIT_BYTES),
             "--max-requests-per-client", str(MAX_REQUESTS_PER_CLIENT),
             "--max-inflight-body-bytes", str(BODY_BUDGET_BYTES),
         ]
     }  # fmt: skip
-    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_malformed"), extra=extra) as s:
-        s.http_port = http_port
+    with Stack(
+        tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_malformed"), extra=extra, http=True
+    ) as s:
         yield s
 
 

@@ -34,7 +34,7 @@ from epd.video.types import SamplingOptions
 from tests.embedded import request_summary
 from tests.integration.test_model_info import _chat, _model_card
 from tests.reference import decode_for_test, question_message, reference_inputs, reference_tokens
-from tests.stack import Stack, free_port, stage_replica
+from tests.stack import Stack, stage_replica
 
 QUESTION = "what happens?"  # `_chat`'s question, after the video
 NUM_FRAMES = 2
@@ -86,9 +86,9 @@ def _no_room_for_a_prompt(case: dict) -> str:
 
 
 def test_the_stack_serves_within_max_model_len_and_refuses_past_it(case, tmp_path):
-    http_port = free_port()
-    extra = {"prefill": ["--max-model-len", str(case["cap"])], "gateway": ["--http-port", str(http_port)]}
-    with Stack(case["model"], tmp_path / "logs", extra=extra) as stack:
+    extra = {"prefill": ["--max-model-len", str(case["cap"])]}
+    with Stack(case["model"], tmp_path / "logs", extra=extra, http=True) as stack:
+        http_port = stack.http_port
         assert _model_card(http_port)["max_model_len"] == case["cap"]  # was the model's context
         status, body = _chat(http_port, case["video"], max_tokens=case["cap"])  # no room for any prompt
         assert status == 400 and _no_room_for_a_prompt(case) in body["error"]["message"], body

@@ -16,11 +16,10 @@ from contextlib import contextmanager
 
 import grpc
 
-from epd.cli.health import is_serving
 from epd.stages.messages import Message
 from epd.transport.affinity import conversation_key, rendezvous_order
 from epd.v1 import load_pb2, load_pb2_grpc
-from tests.stack import INSECURE_STAGE, Stack, child_env, free_port, zygote
+from tests.stack import Stack, stage_replica, wait_until_serving
 
 FRAMES = 4
 TOKENS = 6
@@ -60,38 +59,24 @@ def then(turns: list[dict], reply: dict, content) -> list[dict]:
 def two_prefill_stack(model_dir, log_dir):
     """A stack whose gateway routes over its own prefill and a second one: (stack, the prefill
     addresses, the HTTP port, the second replica's process)."""
-    http_port = free_port()
-    stack = Stack(model_dir, log_dir)
-    second = f"127.0.0.1:{free_port()}"
-    prefills = [stack.address("prefill"), second]
-    # --stage-check-interval 0: the gateway stops checking once all serve, so it learns that the
-    # replica is gone from the failed call itself (the retry path), not from a health check.
-    stack.extra["gateway"] = ["--prefill", ",".join(prefills), "--http-port", str(http_port),
-                              "--stage-check-interval", "0"]  # fmt: skip
     log_dir.mkdir(parents=True)
-    argv = [
-        "serve",
-        "prefill",
-        "--port",
-        second.rsplit(":", 1)[1],
-        "--model",
-        str(model_dir),
-        *INSECURE_STAGE,
-    ]
-    replica = zygote().start("prefill-2", argv, child_env(), str(log_dir / "prefill-2.log"))
-    try:
-        with stack:
-            assert is_serving(second, timeout_s=5.0)
+    prefills: list[str] = []
+
+    def gateway_flags(stack: Stack) -> list[str]:
+        prefills[:] = [stack.address("prefill"), second]
+        # --stage-check-interval 0: the gateway stops checking once all serve, so it learns that the
+        # replica is gone from the failed call itself (the retry path), not from a health check.
+        return ["--prefill", ",".join(prefills), "--stage-check-interval", "0"]
+
+    with stage_replica("prefill", model_dir, log_dir) as (second, replica):
+        wait_until_serving(second, replica)
+        with Stack(model_dir, log_dir, extra={"gateway": gateway_flags}, http=True) as stack:
             # The gateway went SERVING at its first check with a replica of each stage serving, and
             # (interval 0) checks no more: a prefill still loading then stayed out of routing. One
             # /health check now that both serve puts both in (the turns then went to the other).
-            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=30) as reply:
+            with urllib.request.urlopen(f"http://127.0.0.1:{stack.http_port}/health", timeout=30) as reply:
                 assert reply.status == 200
-            yield stack, prefills, http_port, replica
-    finally:
-        if replica.poll() is None:
-            replica.send_signal(signal.SIGTERM)
-        replica.wait(timeout=30)
+            yield stack, prefills, stack.http_port, replica
 
 
 def test_turns_about_a_video_stay_on_its_prefill_replica_and_survive_its_loss(

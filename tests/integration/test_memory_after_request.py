@@ -22,7 +22,7 @@ from epd.cli.allocator import find_tcmalloc, uses_tcmalloc
 from epd.cli.health import is_serving
 from epd.client import EpdClient
 from tests.media import make_video
-from tests.stack import ROOT, child_env, epd_command, free_port
+from tests.stack import ROOT, bound_ports, child_env, epd_command
 
 QUESTION = "what colour is the circle?"
 MAX_GROWTH = 0.10
@@ -75,12 +75,12 @@ def test_rss_returns_to_idle_after_a_large_request(stack, media_files, big_clip)
 
 
 def test_rss_returns_to_idle_after_a_large_request_on_the_servers_own_allocator(
-    tiny_models, media_files, big_clip
+    tiny_models, media_files, big_clip, tmp_path
 ):
     """tcmalloc keeps freed spans for reuse: without the idle release the colocated server stayed
     ~190 MB (about a fifth) above idle after this request."""
     big = big_clip
-    port = free_port()
+    ports_file = tmp_path / "colocated.ports.json"
     env = child_env()
     env.pop("LD_PRELOAD", None)  # the server's own choice (--allocator auto), not the test runner's
     serve = subprocess.Popen(
@@ -90,9 +90,11 @@ def test_rss_returns_to_idle_after_a_large_request_on_the_servers_own_allocator(
             "--model",
             str(tiny_models["qwen2_vl"]),
             "--gateway-port",
-            str(port),
+            "0",
             "--http-port",
             "0",
+            "--ports-file",
+            str(ports_file),
         ),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -100,6 +102,7 @@ def test_rss_returns_to_idle_after_a_large_request_on_the_servers_own_allocator(
         cwd=ROOT,
     )
     try:
+        port = bound_ports(ports_file, serve, "epd serve --colocate")["grpc"]
         deadline = time.monotonic() + 180
         while not is_serving(f"127.0.0.1:{port}", timeout_s=1.0):
             assert serve.poll() is None and time.monotonic() < deadline, "epd serve --colocate did not start"

@@ -24,7 +24,7 @@ from epd.stages.contracts import MediaInput
 from epd.stages.messages import VIDEO, Message, from_chat_template
 from epd.video.types import SamplingOptions
 from tests.reference import decode_for_test, reference_inputs, reference_tokens_for_messages
-from tests.stack import Stack, free_port
+from tests.stack import Stack
 
 FAMILY = "qwen2_vl"
 MODEL = "tiny"
@@ -70,10 +70,8 @@ def openai_messages(messages: list[dict], url: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def stack(tiny_models, tmp_path_factory):
-    http_port = free_port()
-    extra = {"gateway": ["--http-port", str(http_port), "--served-model-name", MODEL]}
-    with Stack(tiny_models[FAMILY], tmp_path_factory.mktemp("logs_shapes"), extra=extra) as s:
-        s.http_port = http_port
+    extra = {"gateway": ["--served-model-name", MODEL]}
+    with Stack(tiny_models[FAMILY], tmp_path_factory.mktemp("logs_shapes"), extra=extra, http=True) as s:
         yield s
 
 

@@ -33,7 +33,7 @@ from epd.v1 import load_pb2, load_pb2_grpc
 from epd.video.types import SamplingOptions
 from tests.local_http import post_json
 from tests.media import make_video
-from tests.stack import Stack, free_port
+from tests.stack import Stack
 
 
 def _text_config(model_dir) -> dict:
@@ -163,10 +163,10 @@ def test_the_stack_gateway_refuses_max_tokens_over_prefills_limit_before_the_enc
     the stages' default (4,096) only, so a request asking 17 had its video decoded and encoded
     before prefill refused it. Now the gateway knows prefill's limit and refuses it first, on
     either API, with prefill's own message; a request within it is served (and encoded)."""
-    http_port = free_port()
-    extra = {"prefill": ["--max-new-tokens-limit", "16"], "gateway": ["--http-port", str(http_port)]}
+    extra = {"prefill": ["--max-new-tokens-limit", "16"]}
     video = make_video(tmp_path / "limit.mp4", size=(64, 48), seconds=1.0, pattern="noise").read_bytes()
-    with Stack(tiny_models["qwen2_vl"], tmp_path / "logs", extra=extra) as stack:
+    with Stack(tiny_models["qwen2_vl"], tmp_path / "logs", extra=extra, http=True) as stack:
+        http_port = stack.http_port
         _model_card(http_port)  # the gateway has prefill's answer
         encoder = stack.address("encoder")
         before = _encoder_steps(encoder)

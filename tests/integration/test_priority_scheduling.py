@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from epd.client import AsyncEpdClient, EpdClient
 from epd.client.types import EpdError, TokenDelta
 from tests.local_http import post_json
-from tests.stack import Stack, free_port
+from tests.stack import Stack
 
 QUESTION = "what colour is the square?"
 WAIT_S = 120.0  # a deadline for a state to be reached on two busy cores, not a timing assertion
@@ -52,16 +52,16 @@ def test_a_high_priority_request_queued_behind_low_priority_ones_is_served_first
     answer is still decoding then: not preempted. When it ends (its client leaves), the slot goes
     to the high-priority request, then to the low ones in arrival order: they finish in that order.
     Under fcfs they would finish low1, low2, high."""
-    http_port = free_port()
     policy = ["--scheduling-policy", "priority"]
     extra = {
-        "gateway": ["--http-port", str(http_port)],
         "encoder": policy,
         "prefill": policy,
         "decode": [*policy, "--max-running-requests", "1"],
     }
     finished: list[str] = []
-    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_priority"), extra=extra) as stack:
+    with Stack(
+        tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_priority"), extra=extra, http=True
+    ) as stack:
 
         async def answer(client: AsyncEpdClient, name: str, priority: int) -> None:
             result = await client.ask(None, QUESTION, max_new_tokens=4, priority=priority)
@@ -90,7 +90,7 @@ def test_a_high_priority_request_queued_behind_low_priority_ones_is_served_first
                 waiters = []
                 for i, (name, priority) in enumerate((("low1", 10), ("low2", 10), ("high", -10))):
                     waiters.append(asyncio.create_task(answer(client, name, priority)))
-                    await _until_decode_waiting(http_port, i + 1)
+                    await _until_decode_waiting(stack.http_port, i + 1)
                 assert not holder.done(), "the long answer still decodes: a waiting request preempts nothing"
                 holder.cancel()  # its client leaves: its room is freed and the slot given to the first waiting
                 await asyncio.gather(holder, return_exceptions=True)

@@ -27,7 +27,7 @@ from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 from tests.integration.test_completions import post_embedded
 from tests.integration.test_model_info import _model_card
 from tests.local_http import post_json, sse_chunks
-from tests.stack import Stack, free_port
+from tests.stack import Stack
 
 MAX_TOKENS = 12
 TEXT_ONLY = [{"role": "user", "content": "name a colour"}]
@@ -80,9 +80,9 @@ def test_the_stack_parts_a_thinking_answer_into_reasoning_and_content(qwen3_5, t
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
-    port = free_port()
-    extra = {"gateway": ["--http-port", str(port), "--reasoning-parser", "qwen3"]}
-    with Stack(qwen3_5, tmp_path / "logs", extra=extra):
+    extra = {"gateway": ["--reasoning-parser", "qwen3"]}
+    with Stack(qwen3_5, tmp_path / "logs", extra=extra, http=True) as stack:
+        port = stack.http_port
         allowed, ids = _thinking_answer(lambda body: _chat(port, body), end_id)
         end = ids.index(end_id)
         reasoning, content = decode(ids[:end]), decode(ids[end + 1 :])
@@ -232,8 +232,10 @@ def test_the_stack_parts_a_thinking_answer_into_reasoning_and_content(qwen3_5, t
         )
         assert status == 200 and completion["choices"][0]["text"] == decode(completion["epd"]["token_ids"])
 
-    port = free_port()
-    with Stack(qwen3_5, tmp_path / "logs_off", extra={"gateway": ["--http-port", str(port)]}):
+    with Stack(
+        qwen3_5, tmp_path / "logs_off", extra={"gateway": ["--http-port", str(port)]}, http=True
+    ) as stack:
+        port = stack.http_port
         reply = _chat(port, _body(allowed_token_ids=allowed))
         assert reply["epd"]["token_ids"] == ids
         assert reply["choices"][0]["message"] == {"role": "assistant", "content": decode(ids)}  # whole
@@ -245,10 +247,10 @@ def test_the_stack_parts_a_thinking_answer_into_reasoning_and_content(qwen3_5, t
 def test_the_stack_refuses_chat_requests_when_the_models_tokenizer_has_no_think_markers(
     tiny_models, tmp_path
 ):
-    port = free_port()
     logs = tmp_path / "logs"
-    extra = {"gateway": ["--http-port", str(port), "--reasoning-parser", "qwen3"]}
-    with Stack(tiny_models["qwen2_vl"], logs, extra=extra):
+    extra = {"gateway": ["--reasoning-parser", "qwen3"]}
+    with Stack(tiny_models["qwen2_vl"], logs, extra=extra, http=True) as stack:
+        port = stack.http_port
         assert _model_card(port)["max_model_len"] is not None  # prefill's model info has arrived
         for body in (_body(), {**_body(), "stream": True}, _body()):
             status, reply = post_json(port, "/v1/chat/completions", body)

@@ -22,7 +22,7 @@ from PIL import Image
 from epd.cli.health import is_serving
 from epd.transport.affinity import rendezvous_order
 from epd.v1 import load_pb2, load_pb2_grpc
-from tests.stack import Stack, free_port, replica_file_stack, stage_replica, wait_until_serving
+from tests.stack import Stack, replica_file_stack, stage_replica, wait_until_serving
 
 TOKENS = 4
 WAIT_S = 30.0
@@ -76,11 +76,12 @@ def wait_for_log(path, text: str) -> None:
 def test_an_encoder_added_to_the_replica_file_gets_traffic_and_one_lost_keeps_the_gateway_serving(
     tiny_models, tmp_path
 ):
-    stack, replicas_file, http_port = replica_file_stack(
+    stack, replicas_file = replica_file_stack(
         tiny_models["qwen2_vl"], tmp_path, "encoder", "--stage-check-interval", "0.3"
     )
-    first, gateway_log = stack.address("encoder"), stack.log_dir / "gateway.log"
+    gateway_log = stack.log_dir / "gateway.log"
     with stage_replica("encoder", tiny_models["qwen2_vl"], stack.log_dir) as (second, replica), stack:
+        first, http_port = stack.address("encoder"), stack.http_port
         wait_until_serving(second, replica)
         at_second = image_homed_at(second, [first, second])
         at_first = image_homed_at(first, [first, second])
@@ -111,14 +112,13 @@ def test_an_encoder_added_to_the_replica_file_gets_traffic_and_one_lost_keeps_th
 def test_a_decode_replica_gone_before_the_first_token_is_retried_on_the_other(tiny_models, tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
-    http_port = free_port()
-    stack = Stack(tiny_models["qwen2_vl"], logs)
     with stage_replica("decode", tiny_models["qwen2_vl"], logs) as (second, replica):
         # --stage-check-interval 0: the gateway learns that the replica is gone from the failed call
         # itself (the retry path), not from a health check.
-        stack.extra["gateway"] = ["--decode", f"{stack.address('decode')},{second}", "--http-port", str(http_port),
-                                  "--stage-check-interval", "0", "--load-refresh-interval", "0"]  # fmt: skip
-        with stack:
+        extra = {"gateway": lambda stack: ["--decode", f"{stack.address('decode')},{second}",
+                                           "--stage-check-interval", "0", "--load-refresh-interval", "0"]}  # fmt: skip
+        with Stack(tiny_models["qwen2_vl"], logs, extra=extra, http=True) as stack:
+            http_port = stack.http_port
             wait_until_serving(second, replica)
             image = png(7)
             answer = chat(http_port, image)

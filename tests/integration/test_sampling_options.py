@@ -405,16 +405,13 @@ def wide_tokenizer_stack(tmp_path_factory):
     from transformers import AutoProcessor
 
     from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
-    from tests.stack import free_port
 
     model = build_checkpoint(tmp_path_factory.mktemp("wide_tokenizer"), TinyVLMSpec(family="qwen2_vl"))
     processor = AutoProcessor.from_pretrained(str(model))
     processor.tokenizer.add_tokens([BEYOND_LOGITS])
     processor.save_pretrained(model)
-    http_port = free_port()
-    extra = {"gateway": ["--http-port", str(http_port)]}
-    with Stack(model, tmp_path_factory.mktemp("logs_wide_tokenizer"), extra=extra) as s:
-        s.http_port = http_port
+    extra = {}
+    with Stack(model, tmp_path_factory.mktemp("logs_wide_tokenizer"), extra=extra, http=True) as s:
         yield s
 
 

@@ -50,10 +50,8 @@ WAIT_S = 120.0
 
 @pytest.fixture(scope="module")
 def stack(tiny_models, tmp_path_factory):
-    http_port = free_port()
-    extra = {"gateway": ["--api-key", API_KEY, "--http-port", str(http_port)]}
-    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_sdk"), extra=extra) as s:
-        s.http_port = http_port
+    extra = {"gateway": ["--api-key", API_KEY]}
+    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_sdk"), extra=extra, http=True) as s:
         yield s
 
 

@@ -23,14 +23,11 @@ import grpc
 import pytest
 
 from epd.client import EpdClient
-from tests.stack import ROOT, Stack, child_env, epd_command, free_port, stage_replica, wait_until_serving
+from tests.stack import ROOT, Stack, child_env, epd_command, stage_replica, wait_until_serving
 
 
 def test_each_model_service_closes_its_threads_after_the_drain(tiny_models, media_files, tmp_path):
-    http_port = free_port()
-    stack = Stack(
-        tiny_models["qwen2_vl"], tmp_path / "logs", extra={"gateway": ["--http-port", str(http_port)]}
-    )
+    stack = Stack(tiny_models["qwen2_vl"], tmp_path / "logs", http=True)
     with stack:
         with EpdClient(stack.gateway) as client:
             result = client.ask(
@@ -39,7 +36,7 @@ def test_each_model_service_closes_its_threads_after_the_drain(tiny_models, medi
         assert result.answer is not None
         body = json.dumps({"prompt": "a red circle"}).encode()
         request = urllib.request.Request(
-            f"http://127.0.0.1:{http_port}/tokenize", body, {"Content-Type": "application/json"}
+            f"http://127.0.0.1:{stack.http_port}/tokenize", body, {"Content-Type": "application/json"}
         )
         with urllib.request.urlopen(request, timeout=120) as answer:
             assert json.load(answer)["count"] > 0

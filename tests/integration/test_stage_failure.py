@@ -19,7 +19,7 @@ from epd.client import EpdClient
 from epd.client.retry import RetryPolicy
 from epd.client.types import EpdError
 from tests.local_http import post_json
-from tests.stack import Stack, free_port, zygote
+from tests.stack import Stack, zygote
 
 MESSAGE = re.compile(r"^decode stage unavailable \(request id [0-9a-f]+\)$")
 
@@ -46,9 +46,9 @@ def wait_until(predicate, timeout_s: float = 60.0) -> bool:
 
 
 def test_a_dead_decode_stage_is_reported_truthfully_and_recovers(tiny_models, media_files, tmp_path):
-    http_port = free_port()
-    extra = {"gateway": ["--http-port", str(http_port), "--stage-check-interval", "0.5"]}
-    with Stack(tiny_models["qwen2_vl"], tmp_path / "logs", extra=extra) as stack:
+    extra = {"gateway": ["--stage-check-interval", "0.5"]}
+    with Stack(tiny_models["qwen2_vl"], tmp_path / "logs", extra=extra, http=True) as stack:
+        http_port = stack.http_port
         assert chat(http_port, media_files["mp4"])[0] == 200
 
         decode = stack.procs["decode"]

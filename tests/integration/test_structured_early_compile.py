@@ -32,20 +32,20 @@ from tests.integration.test_structured_outputs import (
     masked_references,
 )
 from tests.reference import decode_for_test
-from tests.stack import free_port
 
 TIMEOUT_S = 0.5
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_models, tmp_path_factory):
-    port = free_port()
     deadline = ["--structured-compile-timeout-s", str(TIMEOUT_S)]
-    extra = {"gateway": ["--http-port", str(port)], "prefill": deadline, "decode": deadline}
+    extra = {"prefill": deadline, "decode": deadline}
     with VerboseStack(
-        tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_early_compile"), extra=extra
+        tiny_models["qwen2_vl"],
+        tmp_path_factory.mktemp("logs_early_compile"),
+        extra=extra,
+        http=True,
     ) as s:
-        s.http_port = port
         yield s
 
 

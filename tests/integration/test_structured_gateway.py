@@ -20,7 +20,7 @@ from tests.integration.test_structured_outputs import (
     masked_references,
 )
 from tests.reference import decode_for_test
-from tests.stack import Stack, child_env, free_port
+from tests.stack import Stack, child_env
 
 TIMEOUT_S = 0.5
 SLOW_REGEX = "[a-z]*" * 10000
@@ -45,10 +45,12 @@ def test_a_gateway_without_xgrammar_serves_structured_outputs_and_compiling_has_
     probe = subprocess.run([sys.executable, "-c", "import xgrammar"], env={**child_env(), **gateway_env})
     assert probe.returncode != 0, "the shim leaves xgrammar importable"
     want = masked_references(tiny_models["qwen2_vl"], video, ["json_schema"])["json_schema"]
-    port = free_port()
     deadline = ["--structured-compile-timeout-s", str(TIMEOUT_S)]
-    extra = {"gateway": ["--http-port", str(port)], "prefill": deadline, "decode": deadline}
-    with Stack(tiny_models["qwen2_vl"], tmp_path / "logs", extra=extra, gateway_env=gateway_env):
+    extra = {"gateway": [], "prefill": deadline, "decode": deadline}
+    with Stack(
+        tiny_models["qwen2_vl"], tmp_path / "logs", extra=extra, gateway_env=gateway_env, http=True
+    ) as stack:
+        port = stack.http_port
         status, body = chat(port, media_files, **CASES["json_schema"][0])
         assert status == 200, body
         choice = body["choices"][0]

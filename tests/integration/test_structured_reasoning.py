@@ -21,7 +21,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 from tests.local_http import post_json
 from tests.reference import whole_model
-from tests.stack import Stack, free_port
+from tests.stack import Stack
 
 MAX_TOKENS = 48
 REGEX = "(red|blue) (circle|square)"
@@ -143,9 +143,9 @@ def test_the_grammar_starts_after_the_models_end_of_reasoning_through_the_stack(
         "thinking off": ({"chat_template_kwargs": {"enable_thinking": False}}, reference(0, enable_thinking=False)),
     }  # fmt: skip
     assert cases["end first"][1][0] == end_id and 0 < cases["end later"][1].index(end_id)
-    port = free_port()
-    extra = {"gateway": ["--http-port", str(port), "--reasoning-parser", "qwen3"]}
-    with Stack(qwen3_5, tmp_path / "logs", extra=extra):
+    extra = {"gateway": ["--reasoning-parser", "qwen3"]}
+    with Stack(qwen3_5, tmp_path / "logs", extra=extra, http=True) as stack:
+        port = stack.http_port
         for name, (fields, want) in cases.items():
             choice = _chat(port, _body(**fields))["choices"][0]
             assert choice["token_ids"] == want, name

@@ -28,7 +28,7 @@ from epd.stages.contracts import MediaInput
 from epd.stages.errors import NotFound
 from epd.stages.messages import from_chat_template
 from epd.video.types import SamplingOptions
-from tests.stack import Stack, free_port
+from tests.stack import Stack
 
 NUM_FRAMES = 4
 QUESTION = "what colour is the moving square?"
@@ -130,10 +130,8 @@ def test_another_salt_reuses_no_prefix_kv(tiny_models, media_files):
 
 @pytest.fixture(scope="module")
 def stack(tiny_models, tmp_path_factory):
-    http_port = free_port()
-    extra = {"gateway": ["--http-port", str(http_port), "--api-key", API_KEY, "--api-key", OTHER_KEY]}
-    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_tenants"), extra=extra) as s:
-        s.http_port = http_port
+    extra = {"gateway": ["--api-key", API_KEY, "--api-key", OTHER_KEY]}
+    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_tenants"), extra=extra, http=True) as s:
         yield s
 
 

@@ -13,7 +13,7 @@ from epd.client import EpdClient
 from epd.stages.server_config import TransportSecurity
 from epd.transport import security
 from tests.pki import make_pki
-from tests.stack import ROOT, Stack, child_env, epd_command, free_port
+from tests.stack import ROOT, Stack, child_env, epd_command
 
 QUESTION = "what colour is the moving square?"
 OPTIONS = {"num_frames": 4, "max_new_tokens": 6}
@@ -26,9 +26,6 @@ def pki(tmp_path_factory):
     return make_pki(tmp_path_factory.mktemp("pki"))
 
 
-HTTP_PORT = free_port()
-
-
 @pytest.fixture(scope="module")
 def tls_stack(tiny_models, tmp_path_factory, pki):
     cert, key = pki["service"]
@@ -36,12 +33,12 @@ def tls_stack(tiny_models, tmp_path_factory, pki):
     # Every stage requires client certificates of the CA; the gateway's public port is TLS only
     # (SDK clients present no certificate), and presents its own to the stages.
     extra = {name: [*tls, "--tls-client-ca", pki["ca"]] for name in ("encoder", "prefill", "decode")}
-    extra["gateway"] = [*tls, "--http-port", str(HTTP_PORT)]
+    extra["gateway"] = tls
     # The test's own health checks (Stack waits for SERVING) go over mTLS too.
     client_cert, client_key = pki["client"]
     security.configure(TransportSecurity(tls_cert=client_cert, tls_key=client_key, tls_ca=pki["ca"]))
     try:
-        with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_tls"), extra=extra) as s:
+        with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_tls"), extra=extra, http=True) as s:
             yield s
     finally:
         security.configure(TransportSecurity())
@@ -123,7 +120,7 @@ def test_a_key_that_is_not_the_certificates_stops_the_service_at_start(pki):
             "serve",
             "encoder",
             "--port",
-            str(free_port()),
+            "0",
             "--tls-cert",
             cert,
             "--tls-key",
@@ -145,7 +142,7 @@ def test_a_missing_certificate_file_is_named(pki, tmp_path):
     _, key = pki["service"]
     missing = str(tmp_path / "nope.pem")
     proc = subprocess.run(
-        epd_command("serve", "gateway", "--port", str(free_port()), "--tls-cert", missing, "--tls-key", key),
+        epd_command("serve", "gateway", "--port", "0", "--tls-cert", missing, "--tls-key", key),
         capture_output=True,
         text=True,
         env=child_env(),
@@ -168,12 +165,14 @@ def test_the_http_api_serves_https_only(tls_stack, pki):
 
     trusted = ssl.create_default_context(cafile=pki["ca"])
     with urllib.request.urlopen(
-        f"https://127.0.0.1:{HTTP_PORT}/health", context=trusted, timeout=30
+        f"https://127.0.0.1:{tls_stack.http_port}/health", context=trusted, timeout=30
     ) as reply:
         assert reply.status == 200
     with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
-        urllib.request.urlopen(f"http://127.0.0.1:{HTTP_PORT}/health", timeout=30)
+        urllib.request.urlopen(f"http://127.0.0.1:{tls_stack.http_port}/health", timeout=30)
     with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
         urllib.request.urlopen(
-            f"https://127.0.0.1:{HTTP_PORT}/health", context=ssl.create_default_context(), timeout=30
+            f"https://127.0.0.1:{tls_stack.http_port}/health",
+            context=ssl.create_default_context(),
+            timeout=30,
         )

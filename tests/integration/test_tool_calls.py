@@ -35,7 +35,7 @@ from epd.stages.tokenize import TokenizeInput
 from tests.embedded import request_summary
 from tests.local_http import post_json, sse_chunks
 from tests.reference import template_reference
-from tests.stack import Stack, free_port
+from tests.stack import Stack
 from tests.tool_data import (
     CALL_TEXT,
     FORECAST,
@@ -166,12 +166,10 @@ def _named(call: dict) -> tuple[str, str]:
 
 
 def test_the_stack_answers_tool_calls_plain_and_streamed(tool_model, tmp_path):
-    port = free_port()
     compact = no_whitespace_bias(tool_model)
-    extra = {
-        "gateway": ["--http-port", str(port), "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-    }
-    with Stack(tool_model, tmp_path / "logs", extra=extra) as stack:
+    extra = {"gateway": ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]}
+    with Stack(tool_model, tmp_path / "logs", extra=extra, http=True) as stack:
+        port = stack.http_port
         # "auto": the answer's text (forced to a call's by a choice grammar) parsed by hermes.
         forced_text = _body(structured_outputs={"choice": [CALL_TEXT]}, max_tokens=128)
         choice = _chat(port, forced_text)
@@ -292,8 +290,8 @@ def test_the_stack_answers_tool_calls_plain_and_streamed(tool_model, tmp_path):
 
 
 def test_auto_without_the_flag_is_a_400_naming_it(tool_model, tmp_path):
-    port = free_port()
-    with Stack(tool_model, tmp_path / "logs", extra={"gateway": ["--http-port", str(port)]}):
+    with Stack(tool_model, tmp_path / "logs", http=True) as stack:
+        port = stack.http_port
         status, reply = post_json(port, "/v1/chat/completions", _body())
         assert status == 400
         assert "--enable-auto-tool-choice and --tool-call-parser" in reply["error"]["message"]
@@ -309,11 +307,8 @@ def test_the_stack_reads_qwen3_coder_calls_plain_and_streamed(tool_model, tmp_pa
     """`--tool-call-parser qwen3_coder` (Qwen3-Coder's and Qwen3.5's form), the answer forced to a
     call's text by a choice grammar: the values typed by the tool's schema (`days` an integer),
     streamed as the name, then the parameters as they end, joining to the whole answer's arguments."""
-    port = free_port()
     extra = {
         "gateway": [
-            "--http-port",
-            str(port),
             "--enable-auto-tool-choice",
             "--tool-call-parser",
             "qwen3_coder",
@@ -322,7 +317,8 @@ def test_the_stack_reads_qwen3_coder_calls_plain_and_streamed(tool_model, tmp_pa
     body = _body(
         tools=[FORECAST, TIME], structured_outputs={"choice": [QWEN3_CODER_CALL_TEXT]}, max_tokens=128
     )
-    with Stack(tool_model, tmp_path / "logs", extra=extra):
+    with Stack(tool_model, tmp_path / "logs", extra=extra, http=True) as stack:
+        port = stack.http_port
         choice = _chat(port, body)
         (call,) = choice["message"]["tool_calls"]
         assert (choice["message"]["content"], choice["finish_reason"]) == (None, "tool_calls")

@@ -18,7 +18,7 @@ import pytest
 
 from epd.client import EpdClient, EpdError
 from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.stack import Stack, free_port
+from tests.stack import Stack
 
 QUESTION = "what colour is the square?"
 WAIT_S = 60.0
@@ -37,13 +37,12 @@ class TracingStack(Stack):
 
 @pytest.fixture(scope="module")
 def stack(tiny_models, tmp_path_factory):
-    http_port = free_port()
     with TracingStack(
         tiny_models["qwen2_vl"],
         tmp_path_factory.mktemp("logs_trace"),
-        extra={"gateway": ["--http-port", str(http_port)]},
+        extra={},
+        http=True,
     ) as s:
-        s.http_port = http_port
         yield s
 
 

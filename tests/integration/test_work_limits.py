@@ -19,7 +19,7 @@ from epd.cli.parsers.root import build_parser
 from epd.client import EpdClient
 from epd.client.types import EpdError
 from tests.media import make_video
-from tests.stack import INTERNAL_AUTH_METADATA, Stack, child_env, free_port, zygote
+from tests.stack import INTERNAL_AUTH_METADATA, Stack, bound_ports, child_env, zygote
 
 QUESTION = "what colour is the square?"
 MAX_SOURCE_PIXELS = 1_000_000
@@ -99,13 +99,14 @@ def test_decode_wall_time_limit_refuses_with_its_flag_and_the_encoder_keeps_serv
     touches) and stays alive."""
     from epd.cli.health import is_serving
 
-    address = f"127.0.0.1:{free_port()}"
-    argv = ["serve", "encoder", "--port", address.rsplit(":", 1)[1], "--model", str(tiny_models["qwen2_vl"]),
+    ports_file = tmp_path / "encoder.ports.json"
+    argv = ["serve", "encoder", "--port", "0", "--ports-file", str(ports_file), "--model", str(tiny_models["qwen2_vl"]),
             "--max-decode-s", "1e-06", "--decode-workers", "2"]  # fmt: skip
     encoder = zygote().start(
         "encoder-decode-limit", argv, child_env(internal_secret=True), str(tmp_path / "encoder.log")
     )
     try:
+        address = f"127.0.0.1:{bound_ports(ports_file, encoder, 'the encoder')['grpc']}"
         deadline = time.monotonic() + 120
         while not is_serving(address, timeout_s=1.0):
             assert encoder.poll() is None and time.monotonic() < deadline, (
@@ -149,10 +150,7 @@ def test_one_api_key_over_its_limit_gets_429_while_another_key_is_served(tiny_mo
     import urllib.error
     import urllib.request
 
-    from tests.stack import free_port
-
-    http_port = free_port()
-    extra = {"gateway": ["--http-port", str(http_port), "--api-key", "key-one", "--api-key", "key-two",
+    extra = {"gateway": ["--api-key", "key-one", "--api-key", "key-two",
                          "--max-requests-per-api-key", "1"]}  # fmt: skip
     url = "data:video/mp4;base64," + base64.b64encode(media_files["mp4"].read_bytes()).decode()
 
@@ -180,7 +178,8 @@ def test_one_api_key_over_its_limit_gets_429_while_another_key_is_served(tiny_mo
             )
         return float(m.group(1)) if m else 0.0
 
-    with Stack(tiny_models["qwen2_vl"], tmp_path / "logs", extra=extra):
+    with Stack(tiny_models["qwen2_vl"], tmp_path / "logs", extra=extra, http=True) as stack:
+        http_port = stack.http_port
         long: list = []
         first = threading.Thread(target=lambda: long.append(chat("key-one", 400)))
         first.start()

@@ -147,6 +147,23 @@ def max_model_len(text: str) -> int:
 # Every port flag (0: the flag's own meaning, off or any free port). Left to the socket, 70001
 # would be served as 70001 - 65536, and -5 would fail deep in bind, with a traceback.
 port_number = count("a port number", MAX_PORT, "(a TCP port)", low=0)
+ANY_FREE_PORT = "auto"
+"""--http-port's word for a free port the kernel picks: its 0 already means off (a gRPC port's 0
+is the free port: it has no off)."""
+
+
+def http_port(text: str) -> int | str:
+    """--http-port: a port number (0: off) or `auto` (a free port, written to --ports-file)."""
+    if text.strip().lower() == ANY_FREE_PORT:
+        return ANY_FREE_PORT
+    return port_number(text)
+
+
+def http_api_port(value: int | str) -> int | None:
+    """--http-port's value as `HttpApiConfig.port`: None off (0), 0 a free port (`auto`)."""
+    if value == ANY_FREE_PORT:
+        return 0
+    return int(value) or None
 
 
 def secret_check_interval(text: str) -> float:

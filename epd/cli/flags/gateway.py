@@ -8,7 +8,7 @@ import argparse
 import functools
 from collections.abc import Callable
 
-from epd.cli.flags.arg_types import addresses, env, port_number, positive_seconds, seconds
+from epd.cli.flags.arg_types import addresses, env, http_port, positive_seconds, seconds
 from epd.cli.flags.modes import STACK, serves_only
 from epd.gateway.reasoning import REASONING_PARSERS
 from epd.gateway.tool_parsers.stream import TOOL_CALL_PARSERS
@@ -66,7 +66,12 @@ def add_http_listen_flags(p: argparse.ArgumentParser, g) -> None:
     """Where the gateway's HTTP API listens and who may call it: `epd serve gateway` only (`epd
     serve` listens on loopback alone, with its own --http-port and the keys of
     `add_stack_security_flags`)."""
-    g.add_argument("--http-port", type=port_number, default=0, help="port of the HTTP API (0 = off)")
+    g.add_argument(
+        "--http-port",
+        type=http_port,
+        default=0,
+        help="port of the HTTP API (0 = off; auto = a free port the kernel picks, see --ports-file)",
+    )
     g.add_argument("--http-host", default="", help="interface of the HTTP API (default: --host)")
     g.add_argument(
         "--api-key",

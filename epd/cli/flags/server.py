@@ -39,9 +39,25 @@ def add_close_timeout_flag(p: argparse.ArgumentParser) -> argparse.Action:
 
 def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 in containers)")
-    p.add_argument("--port", type=port_number, default=default_port)
+    p.add_argument(
+        "--port", type=port_number, default=default_port, help="gRPC port (0: a free port the kernel picks)"
+    )
+    add_ports_file_flag(p)
     add_grace_flag(p)
     add_security_flags(p)
+
+
+def add_ports_file_flag(p: argparse.ArgumentParser) -> None:
+    """Every service's, and `epd serve`'s (the stack's ports, or --colocate's front door's)."""
+    p.add_argument(
+        "--ports-file",
+        default="",
+        metavar="PATH",
+        help='once listening, write the bound ports to PATH as JSON, replacing it whole: {"grpc": '
+        "PORT} (the gateway's, and --colocate's, with \"http\": PORT too; the stack's with the "
+        'stage replicas\' lists, "encoder": [PORT, ...], ...): with --port 0 (--http-port auto) '
+        "how a script learns the ports the kernel picked",
+    )
 
 
 def add_tls_client_flags(g) -> None:

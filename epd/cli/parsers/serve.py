@@ -4,12 +4,26 @@ taking every stage's and the gateway's too (`STAGE_FLAGS`, `GATEWAY_FLAGS`)."""
 
 from __future__ import annotations
 
-from epd.cli.flags.arg_types import addresses, count, env, kv_sources, port_number, positive_seconds, seconds
+from epd.cli.flags.arg_types import (
+    addresses,
+    count,
+    env,
+    http_port,
+    kv_sources,
+    port_number,
+    positive_seconds,
+    seconds,
+)
 from epd.cli.flags.gateway import GATEWAY_FLAGS, add_admission_flags, add_http_api_flags, add_routing_flags
 from epd.cli.flags.media import add_decode_limit_flags, add_max_upload_bytes_flag, add_sampling_flags
 from epd.cli.flags.model import COMPILING_ROLES, add_model_flags, add_preload_flags
 from epd.cli.flags.modes import COLOCATED, STACK, serves_only
-from epd.cli.flags.server import add_grace_flag, add_server_flags, add_stack_security_flags
+from epd.cli.flags.server import (
+    add_grace_flag,
+    add_ports_file_flag,
+    add_server_flags,
+    add_stack_security_flags,
+)
 from epd.cli.flags.stages import SHARED_STAGE_FLAGS, STAGE_FLAGS
 
 # `epd serve --encoders N ...`: replica i of a stage listens on the stage's port + STEP * i, so
@@ -172,11 +186,20 @@ def _add_stack_flags(serve) -> None:
     # The HTTP API on the gRPC port's interface (loopback) and keys required only where the gateway
     # would refuse to listen without: `epd serve` has no flags to listen beyond loopback.
     serve.set_defaults(http_host="", no_api_key=False)
-    serve.add_argument("--gateway-port", type=port_number, default=GATEWAY_PORT)
+    serve.add_argument(
+        "--gateway-port", type=port_number, default=GATEWAY_PORT, help="0: a free port the kernel picks"
+    )
     stage_ports = (
-        serve.add_argument("--encoder-port", type=port_number, default=ENCODER_PORT),
-        serve.add_argument("--prefill-port", type=port_number, default=PREFILL_PORT),
-        serve.add_argument("--decode-port", type=port_number, default=DECODE_PORT),
+        *(
+            serve.add_argument(
+                f"--{role}-port",
+                type=port_number,
+                default=port,
+                help=f"replica i of the {role}s on this + {REPLICA_PORT_STEP} * i (0: each a free port the "
+                "kernel picks)",
+            )
+            for role, port in (("encoder", ENCODER_PORT), ("prefill", PREFILL_PORT), ("decode", DECODE_PORT))
+        ),
     )
     serves_only(
         STACK,
@@ -185,9 +208,10 @@ def _add_stack_flags(serve) -> None:
     )
     serve.add_argument(
         "--http-port",
-        type=port_number,
+        type=http_port,
         default=8000,
-        help="OpenAI-compatible HTTP API and web demo on the gateway (0 = off)",
+        help="OpenAI-compatible HTTP API and web demo on the gateway (0 = off; auto = a free port the "
+        "kernel picks, see --ports-file)",
     )
     serve.add_argument(
         "--demo-max-concurrent-decodes",
@@ -260,6 +284,7 @@ def _add_stack_flags(serve) -> None:
     serves_only(COLOCATED, why, colocated_schedule, concurrent_steps)
     add_stack_security_flags(serve)
     add_grace_flag(serve)  # passed to every service; the gateway drains first, then the stages
+    add_ports_file_flag(serve)
     # GATEWAY_FLAGS: passed to the stack's gateway, or the colocated front door (not routing: its
     # stages are local, one of each). No --host/--http-host/--no-api-key: `epd serve` listens on
     # loopback only.

@@ -81,3 +81,17 @@ def test_prefills_request_limits_refuse_values_they_cannot_serve(capsys, flag, v
 
 def test_max_model_len_takes_vllms_decimal_suffix_with_a_fraction():
     assert build_parser().parse_args(["serve", "prefill", "--max-model-len", "25.6k"]).max_model_len == 25600
+
+
+@pytest.mark.parametrize("word, port", [("0", None), ("auto", 0), ("AUTO", 0), ("8000", 8000)])
+def test_http_port_0_is_off_and_auto_a_free_port(word, port, tmp_path):
+    ports_file = str(tmp_path / "ports.json")
+    argv = ["serve", "gateway", "--http-port", word, "--ports-file", ports_file]
+    config = configs.gateway_config(build_parser().parse_args(argv))
+    assert (config.http.port, config.server.ports_file) == (port, ports_file)
+
+
+def test_an_http_port_neither_a_number_nor_auto_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "gateway", "--http-port", "any"])
+    assert "--http-port" in capsys.readouterr().err

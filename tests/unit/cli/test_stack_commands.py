@@ -182,6 +182,21 @@ def test_replicas_get_their_own_ports_and_the_gateway_lists_them_all():
                 assert "127.0.0.1:*" in allowed
 
 
+def test_port_0_is_a_free_port_for_each_replica_and_the_gateway_gets_those_they_bound():
+    """Port 0 (and --http-port auto) clash with nothing: each replica binds a free port of its
+    own; the launcher gives the gateway the ports they bound (`stack_commands(args, bound)`)."""
+    argv = ["serve", "--encoders", "2", "--encoder-port", "0", "--gateway-port", "0", "--http-port", "auto"]
+    args = build_parser().parse_args(argv)
+    args.model = "/m"
+    assert replica_ports(args) == {"encoder": [0, 0], "prefill": [50052], "decode": [50053]}
+    assert port_clash(args) is None
+    assert [_parsed(stack_commands(args)[f"encoder[{i}]"]).port for i in (0, 1)] == [0, 0]
+    bound = {"encoder": [41001, 41002], "prefill": [50052], "decode": [50053]}
+    gateway = configs.gateway_config(_parsed(stack_commands(args, bound)["gateway"]))
+    assert gateway.encoder_addresses == ("127.0.0.1:41001", "127.0.0.1:41002")
+    assert (gateway.server.port, gateway.http.port) == (0, 0)  # auto: a free port
+
+
 @pytest.mark.parametrize(
     "argv, problem",
     [

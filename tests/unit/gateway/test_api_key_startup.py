@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epd.gateway.config import GatewayConfig, HttpApiConfig, open_without_key
 from epd.stages.server_config import ServerConfig
+from tests.stack import bound_ports
 
 
 def _free_port() -> int:
@@ -35,7 +36,7 @@ def _epd(*args: str) -> subprocess.Popen:
     )
 
 
-def _config(host: str, http_port: int = 0, http_host: str = "", **key) -> GatewayConfig:
+def _config(host: str, http_port: int | None = None, http_host: str = "", **key) -> GatewayConfig:
     return GatewayConfig(
         server=ServerConfig(host=host, port=50050), http=HttpApiConfig(port=http_port, host=http_host, **key)
     )
@@ -57,7 +58,8 @@ def _config(host: str, http_port: int = 0, http_host: str = "", **key) -> Gatewa
         (_config("[::1]"), None),
         (_config("0.0.0.0", http_port=8000, api_keys=("k",)), None),
         (_config("0.0.0.0", http_port=8000, no_api_key=True), None),
-        (_config("127.0.0.1", http_port=0, http_host="0.0.0.0"), None),  # HTTP off
+        (_config("127.0.0.1", http_port=None, http_host="0.0.0.0"), None),  # HTTP off
+        (_config("127.0.0.1", http_port=0, http_host="0.0.0.0"), "HTTP on 0.0.0.0"),  # a free port
     ],
 )
 def test_open_without_key(config, refused):
@@ -81,11 +83,11 @@ def test_a_gateway_on_every_interface_without_a_key_exits_before_binding():
         s.bind(("0.0.0.0", port))
 
 
-def test_a_loopback_gateway_starts_without_a_key():
+def test_a_loopback_gateway_starts_without_a_key(tmp_path):
     """`epd serve` (no role) runs its gateway like this, so it keeps working with no key."""
-    port = _free_port()
-    proc = _epd("--host", "127.0.0.1", "--port", str(port))
+    proc = _epd("--host", "127.0.0.1", "--port", "0", "--ports-file", str(tmp_path / "ports.json"))
     try:
+        port = bound_ports(tmp_path / "ports.json", proc, "the gateway")["grpc"]
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             deadline = time.monotonic() + 120
@@ -102,7 +104,7 @@ def test_a_loopback_gateway_starts_without_a_key():
         proc.communicate(timeout=30)
 
 
-def test_an_api_key_on_the_command_line_is_hidden_from_ps():
+def test_an_api_key_on_the_command_line_is_hidden_from_ps(tmp_path):
     """`ps` (/proc/PID/cmdline) shows every local user each process's command line: the key of
     `--api-key KEY` stayed there for as long as the gateway ran."""
     import psutil
@@ -118,9 +120,12 @@ def test_an_api_key_on_the_command_line_is_hidden_from_ps():
         "1",
     ]
     assert hide_secrets(["serve", "--api-key-file", "/keys"]) is None
-    port, key = _free_port(), "key-nobody-else-may-read"
-    proc = _epd("--host", "127.0.0.1", "--port", str(port), "--api-key", key)
+    key = "key-nobody-else-may-read"
+    proc = _epd(
+        "--host", "127.0.0.1", "--port", "0", "--ports-file", str(tmp_path / "ports.json"), "--api-key", key
+    )
     try:
+        port = bound_ports(tmp_path / "ports.json", proc, "the gateway")["grpc"]
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # answering health: the flags are parsed
             stub = health_pb2_grpc.HealthStub(channel)
             deadline = time.monotonic() + 120
@@ -133,7 +138,11 @@ def test_an_api_key_on_the_command_line_is_hidden_from_ps():
                     assert time.monotonic() < deadline, "the gateway never answered health"
                     time.sleep(0.2)
         shown = " ".join(psutil.Process(proc.pid).cmdline())
-        assert key not in shown and "--api-key ***" in shown and f"--port {port}" in shown, shown
+        assert (
+            key not in shown
+            and "--api-key ***" in shown
+            and f"--ports-file {tmp_path / 'ports.json'}" in shown
+        ), shown
     finally:
         proc.terminate()
         proc.wait(timeout=60)

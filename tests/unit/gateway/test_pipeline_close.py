@@ -24,10 +24,10 @@ from epd.gateway.metrics import GatewayMetrics, MeteredPipeline
 from epd.gateway.server import remote_pipeline
 from epd.stages.contracts import PrefillHandle
 from epd.stages.server_config import ServerConfig
+from epd.transport.ports_file import read_ports_file
 from epd.transport.server import LIVENESS_SERVICE, StopSignals
 from epd.v1 import prefill_pb2, prefill_pb2_grpc
 from tests import leak_check
-from tests.stack import free_port
 
 
 class _Prefill(prefill_pb2_grpc.PrefillServiceServicer):
@@ -93,7 +93,9 @@ def test_closing_a_remote_pipeline_closes_its_pools_and_kv_channels_and_can_be_d
     assert all(after), after  # the pools' three stayed open
 
 
-def test_the_gateway_closes_its_stage_channels_after_its_drain_and_a_call_in_the_drain_completes(monkeypatch):
+def test_the_gateway_closes_its_stage_channels_after_its_drain_and_a_call_in_the_drain_completes(
+    monkeypatch, tmp_path
+):
     """`epd serve gateway`'s main: stopped while an HTTP /tokenize waits on prefill, it drains (the
     call completes through the prefill pool), then closes the stages' channels."""
 
@@ -101,14 +103,19 @@ def test_the_gateway_closes_its_stage_channels_after_its_drain_and_a_call_in_the
         server, address, prefill = await _prefill_server()
         signals = StopSignals()
         monkeypatch.setattr(gateway, "StopSignals", lambda: signals)
-        port, grpc_port = free_port(), free_port()
-        config = GatewayConfig(server=ServerConfig(host="127.0.0.1", port=grpc_port, grace_s=30.0),
-                               http=HttpApiConfig(host="127.0.0.1", port=port),
+        ports_file = tmp_path / "ports.json"  # both ports free ones the kernel picks, named there
+        config = GatewayConfig(server=ServerConfig(host="127.0.0.1", port=0, grace_s=30.0, ports_file=str(ports_file)),
+                               http=HttpApiConfig(host="127.0.0.1", port=0),
                                encoder_addresses=(address,), prefill_addresses=(address,), decode_addresses=(address,),
                                stage_check_interval_s=3600.0)  # fmt: skip
         first = leak_check.begin_test().first_serial
         running = asyncio.ensure_future(gateway.main(config))
         try:
+            for _ in range(600):  # until both listen (a deadline, not a timing)
+                if (bound := read_ports_file(str(ports_file))) is not None:
+                    break
+                await asyncio.sleep(0.05)
+            port, grpc_port = bound["http"], bound["grpc"]
             async with aiohttp.ClientSession() as session:
                 for _ in range(600):  # until the HTTP API listens (a deadline, not a timing)
                     try:

@@ -45,23 +45,31 @@ def test_the_idle_line_is_a_fraction_of_one_core():
 
 
 def test_the_loop_releases_through_the_given_call():
+    """Counted in ticks, not seconds: the scenario ends after the loop's sixth CPU reading (its
+    first, a busy tick, then four idle ones). A wall-clock wait (0.2 s for ticks of 10 ms) lost
+    under load: a process scheduled out past both deadlines woke to the test's before the loop's
+    third tick, and the loop was cancelled before it had seen an idle tick."""
+    readings = [0.0, *[1.0] * 5]  # busy for the first tick (0 -> 1 s), idle (no more CPU) from then on
+
     async def scenario() -> int:
         released: list[int] = []
-        readings = [0.0, 1.0]  # busy for the first tick, idle (no more CPU) from then on
-        task = asyncio.ensure_future(
-            release_when_idle(
-                lambda: released.append(1),
-                tick_s=0.01,
-                cpu_s=lambda: readings.pop(0) if len(readings) > 1 else readings[0],
-            )
-        )
-        await asyncio.sleep(0.2)
+        read_all = asyncio.Event()
+
+        def cpu_s() -> float:
+            reading = readings.pop(0)
+            if not readings:
+                read_all.set()  # this tick still completes: the loop sees the event at its next wait
+            return reading
+
+        task = asyncio.ensure_future(release_when_idle(lambda: released.append(1), tick_s=0.001, cpu_s=cpu_s))
+        # a guard against a broken loop that never reads, not a timing assertion
+        await asyncio.wait_for(read_all.wait(), timeout=60)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         assert task.cancelled(), "the loop ended on its own"
         return len(released)
 
-    assert asyncio.run(scenario()) == 1  # busy (0 -> 1 s), then idle: once
+    assert asyncio.run(scenario()) == 1  # busy, then idle for four ticks: released once
 
 
 FREED_MB = 192

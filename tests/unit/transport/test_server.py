@@ -20,6 +20,31 @@ def test_second_server_on_a_used_port_fails():
     asyncio.run(run())
 
 
+def test_a_server_on_port_0_writes_the_port_it_bound_to_its_ports_file(tmp_path):
+    """`--port 0 --ports-file PATH`: the caller learns the free port the kernel picked from the
+    file, written once the server listens (with the gateway's other ports), replacing what was
+    there; no file without `ports_file`."""
+    from epd.cli.health import health_answer
+    from epd.transport.ports_file import read_ports_file
+
+    path = tmp_path / "ports.json"
+    path.write_text('{"grpc": 1}')  # an earlier run's
+
+    async def run() -> tuple[int, dict | None, bool | None]:
+        config = ServerConfig(port=0, ports_file=str(path))
+        hs = await create_server(config, lambda s: None, [], other_ports={"http": 8123})
+        try:
+            bound = read_ports_file(str(path))
+            answer = await asyncio.to_thread(health_answer, f"127.0.0.1:{bound['grpc']}", "liveness", 5.0)
+            return hs.port, bound, answer
+        finally:
+            await hs.stop(0)
+
+    port, bound, answer = asyncio.run(run())
+    assert port > 0 and bound == {"grpc": port, "http": 8123} and answer is True
+    assert [p.name for p in tmp_path.iterdir()] == ["ports.json"]  # no staging file left
+
+
 def test_a_stage_server_ends_old_connections_so_callers_resolve_its_name_again():
     """gRPC resolves a `dns:///stage-headless:port` name again only when a connection ends: a stage
     server that kept its connections forever left replicas added by `kubectl scale` without calls.
