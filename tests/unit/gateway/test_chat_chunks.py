@@ -228,6 +228,20 @@ def test_a_steps_content_and_calls_go_in_one_chunk_as_vllms_one_delta_a_step():
     assert len({c["id"] for c in [paris, *calls]}) == 3
 
 
+def test_a_hermes_calls_header_chunk_always_carries_its_arguments_start():
+    """vLLM's hermes header has no `arguments` key (docs/from-vllm.md, `stream`); epd's header waits
+    for `"arguments": {`, so wherever the steps cut the call, the chunk holding its id and name
+    carries that `{` (`arguments` never "" on the wire)."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    for cut in [*range(1, len(call)), None]:  # two steps at each place, then a character a step
+        steps = list(call) if cut is None else [call[:cut], call[cut:]]
+        chunks = _chat(tools=[TOOL])
+        made = [c for i, text in enumerate(steps) for c in chunks.add(TokenStep([i], text))]
+        made += chunks.finish(_summary(call, list(range(len(steps)))))
+        headers = [e for c in made for e in c["choices"][0]["delta"].get("tool_calls", []) if "id" in e]
+        assert len(headers) == 1 and headers[0]["function"]["arguments"].startswith("{"), (cut, headers)
+
+
 def test_a_final_steps_held_back_tail_joins_its_chunk():
     """A choice's final step and the text its parsers gave back at the end (here a `<tool_call>`
     block cut by max_tokens before its name: content) are one chunk with the finish reason, as
