@@ -17,8 +17,10 @@ tokens, as vLLM's; chat's role and echo chunks have no such field); neither ids 
 `include_reasoning` false under a parser (reasoning, or auto tool alone), as vLLM's. Each choice's
 first chunk carries the prompt's ids (`prompt_token_ids`, null unless asked): chat's role chunk at
 its top, a completion's in its choice (with `echo` the chunk joining the echo to the first step),
-where its other chunks have null, as vLLM's. Every chunk carries `usage`: null with include_usage,
-the usage so far with continuous_usage_stats too.
+where its other chunks have null, as vLLM's. A chat chunk has `stop_reason` only with its finish
+reason (a completion's every chunk, null until then), and `usage` only with continuous_usage_stats
+(the usage so far), as vLLM's chunks, which it writes without the fields it left unset
+(`model_dump_json(exclude_unset=True)`).
 """
 
 from __future__ import annotations
@@ -274,18 +276,16 @@ class ChatChunks:
             ]
         if not chunks:
             chunks = [_final_chunk(chat, self.request_id, self.created, index, self._ids([]))]
-        choice = chunks[-1]["choices"][0]
-        choice["finish_reason"] = reason or "stop"
-        choice["stop_reason"] = stop
+        _finished(chunks[-1]["choices"][0], reason or "stop", stop)
         if details is not None:
             chunks[-1]["epd"] = details
         return chunks
 
     def _framed(self, chunk: dict[str, Any]) -> dict[str, Any]:
         """`chunk` as it goes out (every chunk goes through here, once, in the order sent): with
-        the usage stream_options ask for, unless it has its own (the usage chunk's): with
-        continuous_usage_stats the usage so far (its choice's tokens), with include_usage alone
-        null; and the prompt's ids on its choice's first chunk (`_with_prompt_ids`)."""
+        continuous_usage_stats the usage so far (its choice's tokens), unless it has its own (the
+        usage chunk's); with include_usage alone none, as vLLM's (it sets a chunk's `usage` only
+        for continuous usage); and the prompt's ids on its choice's first chunk (`_with_prompt_ids`)."""
         self._with_prompt_ids(chunk)
         if self.chat.continuous_usage:
             so_far = (
@@ -301,8 +301,6 @@ class ChatChunks:
                     "total_tokens": self.num_prompt_tokens + so_far,
                 },
             )
-        elif self.chat.include_usage:
-            chunk.setdefault("usage", None)
         if "prompt_token_ids" in chunk:  # after the usage, in vLLM's order of the fields
             chunk["prompt_token_ids"] = chunk.pop("prompt_token_ids")
         return chunk
@@ -346,6 +344,18 @@ class ChatChunks:
         return _delta_chunk(
             self.chat, self.request_id, self.created, text, self._ids(step.token_ids), logprobs, 0, step.index
         )
+
+
+def _finished(choice: dict[str, Any], reason: str, stop: StopReason) -> None:
+    """A chunk's `choice` made its choice's last: its finish reason and vLLM's `stop_reason` after
+    it, the field's place in vLLM's choice (a chat chunk has none before: vLLM sets it on the
+    finish chunk alone)."""
+    fields = [(key, value) for key, value in choice.items() if key != "stop_reason"]
+    choice.clear()
+    for key, value in fields:
+        choice[key] = value
+        if key == "finish_reason":
+            choice.update(finish_reason=reason, stop_reason=stop)
 
 
 def _tool_delta(
@@ -437,24 +447,21 @@ def chunk_body(
     model: str,
     created: int,
     delta: dict[str, Any],
-    finish_reason: str | None = None,
     token_ids: list[int] | None = None,
-    stop_reason: StopReason = None,
     logprobs: Sequence[TokenLogprob] | None = None,
     index: int = 0,
     opening: bool = False,
 ) -> dict[str, Any]:
-    """One `chat.completion.chunk` of choice `index`; `token_ids` (extra) are the tokens this chunk's
-    text came from, None (null) when not asked, `logprobs` theirs when the request asked;
-    `stop_reason` (vLLM's) is set on the chunk with the finish reason. `opening`: the role's or the
-    echo's chunk, which no generated token made: no `token_ids` field, as vLLM's (its other
-    chunks set the field, null when not asked)."""
+    """One `chat.completion.chunk` of choice `index`, not its last (`_finished` adds the finish
+    reason's `stop_reason`, vLLM's, which its other chunks leave out); `token_ids` (extra) are the
+    tokens this chunk's text came from, None (null) when not asked, `logprobs` theirs when the
+    request asked. `opening`: the role's or the echo's chunk, which no generated token made: no
+    `token_ids` field, as vLLM's (its other chunks set the field, null when not asked)."""
     choice: dict[str, Any] = {
         "index": index,
         "delta": delta,
         "logprobs": None if logprobs is None else chat_logprobs(logprobs),
-        "finish_reason": finish_reason,
-        "stop_reason": stop_reason,
+        "finish_reason": None,
     }
     if not opening:
         choice["token_ids"] = token_ids

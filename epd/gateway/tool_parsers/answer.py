@@ -21,7 +21,9 @@ from epd.gateway.tool_request import ToolChoice
 
 
 def header_delta(name: str, call_id: str, index: int) -> dict[str, Any]:
-    """A streamed call's first delta, vLLM's shape: its index, id, type and name (arguments "")."""
+    """A streamed call's first delta: its index, id, type and name, arguments "" (vLLM's qwen3_coder,
+    named and "required" shape; its hermes leaves the key out, but epd's hermes header always
+    joins the arguments' `{` in its step's chunk: docs/architecture.md, Tool calling)."""
     return {
         "tool_calls": [
             {

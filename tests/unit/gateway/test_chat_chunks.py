@@ -66,13 +66,56 @@ def test_continuous_usage_is_the_usage_when_each_chunk_is_made():
     assert chunks.num_tokens == 3
 
 
-def test_include_usage_alone_puts_null_usage_on_every_chunk_but_the_last_and_no_option_none():
-    plain = _chat(stream_options={"include_usage": True})
-    made = plain.opening(0) + plain.add(TokenStep([5], "a", "stop")) + plain.finish(_summary("a", [5]))
-    assert [c["usage"] for c in made[:-1]] == [None, None] and made[-1]["usage"]["completion_tokens"] == 1
+def test_include_usage_alone_puts_usage_on_the_last_chunk_alone_as_vllms():
+    """vLLM sets a chunk's `usage` only for continuous_usage_stats and writes its chunks without
+    the fields left unset (`exclude_unset`): with include_usage alone its chat and completion
+    chunks have no `usage` field (epd's said null) but the last, the usage chunk."""
+    for plain in (
+        _chat(stream_options={"include_usage": True}),
+        _completion(stream_options={"include_usage": True}),
+    ):
+        made = plain.opening(0) + plain.add(TokenStep([5], "a", "stop")) + plain.finish(_summary("a", [5]))
+        assert all("usage" not in c for c in made[:-1]) and made[-1]["usage"]["completion_tokens"] == 1
+        assert made[-1]["choices"] == []
     bare = _chat()
     made = bare.opening(0) + bare.add(TokenStep([5], "a", "stop")) + bare.finish(_summary("a", [5]))
     assert all("usage" not in c for c in made) and len(made) == 2
+
+
+def test_a_chat_chunk_has_stop_reason_only_with_its_finish_reason_as_vllms():
+    """vLLM's chat chunks set `stop_reason` on the finish chunk alone (the role's, the echo's and a
+    token step's leave it unset, so out); it comes after `finish_reason`, its place in vLLM's
+    choice. A completion's chunks set every field: `stop_reason` null until the finish."""
+    chunks = _chat(n=2, return_token_ids=True)
+    made = chunks.opening(0) + chunks.add(TokenStep([5], "a", index=0))
+    made += chunks.add(TokenStep([6], "b", "stop", stop_reason="###", index=1))
+    made += chunks.add(TokenStep([7], "c", "length", index=0))
+    made += chunks.finish(
+        _summary(
+            "ac",
+            [5, 7],
+            [ChoiceSummary(0, "ac", [5, 7], "length"), ChoiceSummary(1, "b", [6], "stop", "###")],
+        )
+    )
+    choices = [c["choices"][0] for c in made]
+    assert [list(c) for c in choices] == [
+        ["index", "delta", "logprobs", "finish_reason"],  # the role's
+        ["index", "delta", "logprobs", "finish_reason", "token_ids"],
+        *[["index", "delta", "logprobs", "finish_reason", "stop_reason", "token_ids"]] * 2,
+    ]
+    assert [(c["finish_reason"], c.get("stop_reason")) for c in choices] == [
+        (None, None),
+        (None, None),
+        ("stop", "###"),
+        ("length", None),
+    ]
+    bare = _chat().finish(_summary("", []))[0]["choices"][0]  # a finish of no step: its own chunk
+    assert list(bare) == ["index", "delta", "logprobs", "finish_reason", "stop_reason", "token_ids"]
+    completion = _completion()
+    made = completion.add(TokenStep([5], "a")) + completion.add(TokenStep([6], "b", "stop", stop_reason=6))
+    made += completion.finish(_summary("ab", [5, 6], [ChoiceSummary(0, "ab", [5, 6], "stop", 6)]))
+    assert [c["choices"][0]["stop_reason"] for c in made] == [None, 6]
+    assert all(list(c["choices"][0])[3:5] == ["finish_reason", "stop_reason"] for c in made)
 
 
 def test_a_choice_finishing_first_ends_at_once_and_the_last_carries_the_summary():
@@ -183,6 +226,20 @@ def test_a_steps_content_and_calls_go_in_one_chunk_as_vllms_one_delta_a_step():
     assert [(c["index"], c["function"]["name"]) for c in calls] == [(1, "get_weather"), (2, "get_weather")]
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Rome"}, {"city": "Oslo"}]
     assert len({c["id"] for c in [paris, *calls]}) == 3
+
+
+def test_a_hermes_calls_header_chunk_always_carries_its_arguments_start():
+    """vLLM's hermes header has no `arguments` key (docs/from-vllm.md, `stream`); epd's header waits
+    for `"arguments": {`, so wherever the steps cut the call, the chunk holding its id and name
+    carries that `{` (`arguments` never "" on the wire)."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    for cut in [*range(1, len(call)), None]:  # two steps at each place, then a character a step
+        steps = list(call) if cut is None else [call[:cut], call[cut:]]
+        chunks = _chat(tools=[TOOL])
+        made = [c for i, text in enumerate(steps) for c in chunks.add(TokenStep([i], text))]
+        made += chunks.finish(_summary(call, list(range(len(steps)))))
+        headers = [e for c in made for e in c["choices"][0]["delta"].get("tool_calls", []) if "id" in e]
+        assert len(headers) == 1 and headers[0]["function"]["arguments"].startswith("{"), (cut, headers)
 
 
 def test_a_final_steps_held_back_tail_joins_its_chunk():
