@@ -4,8 +4,8 @@ torch's matrix products on an x86 CPU are MKL's (sgemm). MKL chooses its kernels
 vendor before its instruction set: on a CPU that is not Intel's it runs its generic kernels
 ("Intel(R) Architecture processors" in its version record), whatever the CPU can do. On the bench
 VM (AMD EPYC with AVX-512) the model's linear layers took 2.3x as long as the same MKL's AVX-512
-kernels at 307 rows (a prefill) and 1.8x at one row (a decode step), and the whole stack served
-1.7x the requests/s at 16 in flight with them (docs/benchmarks.md, "MKL's kernels on AMD CPUs").
+kernels at 307 rows (a prefill) and 3x at 2-12 rows (decode steps), and the stack served 1.3-1.6x
+the requests/s at 16 in flight with them (docs/benchmarks.md, "MKL's kernels on AMD CPUs").
 
     vendor    MKL's own choice (the default)
     features  MKL's kernels for the CPU's instruction set, as on an Intel CPU: a one-function
@@ -19,7 +19,9 @@ kernels at 307 rows (a prefill) and 1.8x at one row (a decode step), and the who
 
 Off by default: those kernels sum in another order than the generic ones, so float32 results
 differ in the last bits and a greedy token can differ from `generate()`'s in a process without the
-library where its two best logits are that close (a near tie), as with `--linear-kernel onednn`.
+library where its two best logits are that close (a near tie), as with `--linear-kernel onednn`;
+with the library in both processes the tokens are the same (tests/integration/test_exactness.py
+passes so, as on an Intel CPU).
 On an Intel CPU the library changes nothing (MKL already chose by instruction set). Like the
 allocator it must be in place before torch loads, so `epd serve` runs itself again with it
 (`epd.cli.preload`), and the stack's services inherit the variable from their launcher.

@@ -92,7 +92,7 @@ def add_preload_flags(p: argparse.ArgumentParser) -> None:
         help="MKL's kernels for the model's matrix products: vendor (MKL's own choice: its generic "
         "kernels on a CPU that is not Intel's), features (by the CPU's instruction set, as on an Intel "
         "CPU: a one-function library preloaded, built once with the machine's C compiler). On an AMD "
-        "EPYC with AVX-512 features served 1.7x the requests/s; off by default, as its float32 sums "
+        "EPYC with AVX-512 features served 1.3-1.6x the requests/s; off by default, as its float32 sums "
         "round differently from generate()'s in a process without it (docs/benchmarks.md, "
         '"MKL\'s kernels on AMD CPUs")',
     )
