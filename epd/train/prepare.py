@@ -186,7 +186,8 @@ def _prepare_part(
 
 
 def _to_plain(split: tuple[list[Example], list[MediaItem]]) -> tuple[list[dict], list[dict]]:
-    # Plain dicts: pickled dataclasses would be bound to the module that ran (__main__).
+    # Plain dicts, not the dataclasses: a pickle names each class's module, so a prepared file
+    # would stop loading when the class moves (it lived in the script run as __main__ before).
     examples, media = split
     return [vars(e) for e in examples], [vars(m) for m in media]
 
