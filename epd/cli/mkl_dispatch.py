@@ -128,7 +128,7 @@ def mkl_library(choice: str) -> tuple[Path | None, str | None]:
                 None,
                 f"--mkl-dispatch features: {LIBRARY_ENV}={given} is not a file; unset it to build the library",
             )
-        return Path(given), None
+        return Path(given).absolute(), None  # LD_PRELOAD's entry and the memory map's path alike
     from epd.model_runtime.default_model import cache_dir
 
-    return build_shim(cache_dir(), find_compiler())
+    return build_shim(cache_dir().absolute(), find_compiler())

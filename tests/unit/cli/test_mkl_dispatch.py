@@ -154,3 +154,14 @@ def test_a_library_built_beforehand_is_used_instead_of_building_one(tmp_path, mo
     monkeypatch.setenv(LIBRARY_ENV, str(tmp_path / "missing.so"))
     library, error = mkl_library("features")
     assert library is None and "missing.so is not a file" in error and "unset it" in error
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="MKL's dispatch is x86-64's")
+def test_a_relative_library_path_is_made_absolute(tmp_path, monkeypatch):
+    """LD_PRELOAD's entry must match the memory map's path, which the loader writes absolute."""
+    from epd.cli.mkl_dispatch import LIBRARY_ENV, mkl_library
+
+    (tmp_path / "libepd_mkl_features.so").write_bytes(b"\x7fELF")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(LIBRARY_ENV, "libepd_mkl_features.so")
+    assert mkl_library("features") == (tmp_path / "libepd_mkl_features.so", None)
