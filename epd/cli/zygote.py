@@ -31,7 +31,10 @@ import multiprocessing.forkserver
 import os
 import signal
 import subprocess
+import sys
 import time
+import types
+from collections.abc import Iterator
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any
@@ -155,7 +158,8 @@ class Zygote:
         process = self._context.Process(
             target=_run_service, args=(argv, env, log_path), name=f"epd-{name}", daemon=False
         )
-        process.start()
+        with _no_main_for_the_child():
+            process.start()
         return ServiceProcess(process)
 
     def stop(self) -> None:
@@ -180,6 +184,23 @@ class Zygote:
                 break
             time.sleep(0.01)
         server._forkserver_pid = None
+
+
+@contextlib.contextmanager
+def _no_main_for_the_child() -> Iterator[None]:
+    """`multiprocessing` has each child run the parent's `__main__` again (as `__mp_main__`, for
+    targets defined there). Ours is `_run_service`, here, so a service needs none: with the launcher
+    run as `python -m epd.cli.main` every service executed epd/cli/main.py a second time, beside the
+    copy the zygote preloaded, and runpy warned of it ("'epd.cli.main' found in sys.modules ...";
+    the `epd` script's file was run again the same way, without the warning). A bare `__main__`
+    while the child's start-up data is taken leaves it nothing to run. Only the launcher's own
+    thread starts services, and nothing else looks `__main__` up meanwhile."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
 
 
 def _run_service(argv: list[str], env: dict[str, str], log_path: str | None) -> None:

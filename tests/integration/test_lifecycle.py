@@ -199,6 +199,7 @@ class StartedStack:
     launcher: subprocess.Popen
     children: list[psutil.Process]
     files_dir: Path
+    stderr_log: Path  # the launcher's stderr, which its services share
 
 
 @contextlib.contextmanager
@@ -210,7 +211,7 @@ def _started_stack(tiny_models, tmp: Path, *flags: str) -> Iterator[StartedStack
     files_dir.mkdir()
     launcher, children = _start_stack(tiny_models, tmp, *flags, tmpdir=files_dir)
     try:
-        yield StartedStack(launcher, children, files_dir)
+        yield StartedStack(launcher, children, files_dir, tmp / "stack.log")
     finally:
         if launcher.poll() is None:
             launcher.send_signal(signal.SIGTERM)
@@ -257,6 +258,16 @@ def test_the_model_services_are_forked_from_one_zygote(default_stack):
     assert zygote.environ().get("OMP_WAIT_POLICY") == "PASSIVE"
     assert roles["gateway"].ppid() == launcher.pid
     assert " ".join(roles["prefill"].cmdline()).startswith("epd --log-level WARNING serve prefill --port ")
+
+
+def test_the_forked_services_do_not_run_the_launchers_main_again(default_stack):
+    """A service forked from the zygote runs `_run_service`, not the launcher's `__main__` again:
+    with the launcher run as `python -m epd.cli.main`, each one executed epd/cli/main.py a second
+    time beside the zygote's preloaded copy, and runpy's RuntimeWarning about it opened every
+    stack's log, once a service."""
+    log = default_stack.stderr_log.read_text()
+    assert "found in sys.modules" not in log, log
+    assert "RuntimeWarning" not in log, log
 
 
 def _stack_entries(files_dir: Path, launcher_pid: int) -> list[Path]:
