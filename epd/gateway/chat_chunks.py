@@ -5,7 +5,8 @@ are framed as server-sent events by `epd.gateway.sse_stream.write_chat_events`.
 A stream, as vLLM's: per choice, its opening (chat's: the assistant's role and "" content, then
 with `echo` the echoed text in a chunk of its own); each token step's one chunk (chat's text
 parted into reasoning and content by the reasoning parser, the content read for tool calls by the
-choice's tool stream, all the step's deltas in one, as vLLM's parsers give one DeltaMessage a
+choice's tool stream (hermes' steps with both `content` and `tool_calls`, null or [] when empty,
+as vLLM's hermes sets them), all the step's deltas in one, as vLLM's parsers give one DeltaMessage a
 step; a completion's with its logprobs' text offsets, its first step's text after the echoed
 prompt with `echo`, the prompt's logprobs first), a step that says nothing (its text held back by
 a parser) making no chunk unless it carries logprobs or asked-for token ids; each choice's finish
@@ -19,7 +20,8 @@ first chunk carries the prompt's ids (`prompt_token_ids`, null unless asked): ch
 its top, a completion's in its choice (with `echo` the chunk joining the echo to the first step),
 where its other chunks have null, as vLLM's. A chat chunk has `stop_reason` only with its finish
 reason (a completion's every chunk, null until then), and `usage` only with continuous_usage_stats
-(the usage so far), as vLLM's chunks, which it writes without the fields it left unset
+(the usage so far; chat's with `completion_tokens_details`, its choice's reasoning tokens so far,
+null without a reasoning parser), as vLLM's chunks, which it writes without the fields it left unset
 (`model_dump_json(exclude_unset=True)`).
 """
 
@@ -84,6 +86,8 @@ class ChatChunks:
             else {i: ReasoningStream(thinking, read_marker_ids) for i in range(chat.generation.n)}
         )
         self.reasoning_tokens = 0
+        # Each finished choice's reasoning tokens, by index (its chunks' continuous usage).
+        self.choice_reasoning_tokens: dict[int, int] = {}
         # Each choice's content parted into text and tool calls, by index (with tools to parse or force).
         self.tooled = (
             {i: ToolAnswerStream(chat.tool_choice) for i in range(chat.generation.n)}
@@ -257,19 +261,21 @@ class ChatChunks:
             if delta := delta_fields(text.finish(), chat.include_reasoning):
                 deltas.append(delta)
             self.reasoning_tokens += text.num_reasoning_tokens
+            self.choice_reasoning_tokens[index] = text.num_reasoning_tokens
+        said: list[dict[str, Any]] = []  # the tool stream's tails
         if (calls := self.tooled.pop(index, None)) is not None:
-            deltas += calls.finish()
+            deltas += (said := calls.finish())
             reason = tool_finish_reason(chat.tool_choice, calls.num_calls, reason or "stop", streamed=True)
         if deltas and chunks:
             choice = chunks[-1]["choices"][0]
-            choice["delta"] = joined_delta([choice["delta"], *deltas])
+            choice["delta"] = _tool_message(calls, joined_delta([choice["delta"], *deltas]), said)
         elif deltas:
             chunks = [
                 chunk_body(
                     self.request_id,
                     chat.model,
                     self.created,
-                    joined_delta(deltas),
+                    _tool_message(calls, joined_delta(deltas), said),
                     token_ids=self._ids([]),
                     index=index,
                 )
@@ -287,23 +293,31 @@ class ChatChunks:
         usage chunk's); with include_usage alone none, as vLLM's (it sets a chunk's `usage` only
         for continuous usage); and the prompt's ids on its choice's first chunk (`_with_prompt_ids`)."""
         self._with_prompt_ids(chunk)
-        if self.chat.continuous_usage:
-            so_far = (
-                self.choice_tokens.get(chunk["choices"][0]["index"], 0)
-                if chunk["choices"]
-                else self.num_tokens
-            )
-            chunk.setdefault(
-                "usage",
-                {
-                    "prompt_tokens": self.num_prompt_tokens,
-                    "completion_tokens": so_far,
-                    "total_tokens": self.num_prompt_tokens + so_far,
-                },
-            )
+        if self.chat.continuous_usage and "usage" not in chunk:
+            index = chunk["choices"][0]["index"]
+            so_far = self.choice_tokens.get(index, 0)
+            chunk["usage"] = {
+                "prompt_tokens": self.num_prompt_tokens,
+                "completion_tokens": so_far,
+                "total_tokens": self.num_prompt_tokens + so_far,
+            }
+            if self.chat.raw_prompt is None:  # chat's: vLLM's completions leave the field unset
+                chunk["usage"]["completion_tokens_details"] = self._reasoning_so_far(index)
         if "prompt_token_ids" in chunk:  # after the usage, in vLLM's order of the fields
             chunk["prompt_token_ids"] = chunk.pop("prompt_token_ids")
         return chunk
+
+    def _reasoning_so_far(self, index: int) -> dict[str, int] | None:
+        """A chat chunk's continuous usage's `completion_tokens_details`: choice `index`'s
+        reasoning tokens so far, null without `--reasoning-parser`, as vLLM's chat sets the field
+        on every such chunk (`_make_completion_tokens_details(previous_reasoning_tokens[i])` if it
+        has a reasoning parser, else None, `vllm/entrypoints/openai/chat_completion/serving.py`,
+        006c49d)."""
+        if self.thinking is None:
+            return None
+        parted = self.parted.get(index)
+        so_far = self.choice_reasoning_tokens.get(index, 0) if parted is None else parted.num_reasoning_tokens
+        return {"reasoning_tokens": so_far}
 
     def _with_prompt_ids(self, chunk: dict[str, Any]) -> None:
         """vLLM's `prompt_token_ids` on the first chunk of each choice (null unless asked): chat's
@@ -365,7 +379,21 @@ def _tool_delta(
     set) passed through the choice's tool stream: the reasoning fields and all the tool stream's
     deltas for the step in one (`joined_delta`), as vLLM's parsers give one DeltaMessage a step."""
     step = {k: v for k, v in (delta or {}).items() if k != "content"}
-    return joined_delta([step, *(stream.add(content) if content else [])])
+    said = stream.add(content) if content else []
+    return _tool_message(stream, joined_delta([step, *said]), said)
+
+
+def _tool_message(
+    stream: ToolAnswerStream | None, delta: dict[str, Any], said: Sequence[dict]
+) -> dict[str, Any]:
+    """`delta`, a step's, as vLLM's tool parser writes it when the step's tool stream said
+    something (`said`): hermes' with `content` (null without text) first and `tool_calls` ([]
+    without calls) last, the reasoning fields between, vLLM's `DeltaMessage` field order
+    (`ToolAnswerStream.sets_content_and_calls`); as it is otherwise (no tool stream: None)."""
+    if stream is None or not said or not stream.sets_content_and_calls:
+        return delta
+    rest = {k: v for k, v in delta.items() if k not in ("content", "tool_calls")}
+    return {"content": delta.get("content"), **rest, "tool_calls": delta.get("tool_calls", [])}
 
 
 def joined_delta(deltas: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -101,6 +101,15 @@ class ToolAnswerStream:
         )
         self._skipping = False  # the streamed call is past the first, without parallel_tool_calls
 
+    @property
+    def sets_content_and_calls(self) -> bool:
+        """Whether a step's delta that this stream says something in carries both `content` and
+        `tool_calls` (null, [] when it has none): vLLM's hermes ("auto") makes each step's
+        `DeltaMessage(content=content, tool_calls=tool_call_deltas)`, both fields set, so written by
+        `model_dump_json(exclude_unset=True)` (`vllm/tool_parsers/hermes_tool_parser.py`, 02bb669);
+        its named and "required" streams (`DeltaMessage(tool_calls=...)`) set no content."""
+        return self.choice.mode == "auto" and self.choice.parser == "hermes"
+
     def add(self, text: str) -> list[dict[str, Any]]:
         if self.choice.mode == "named":
             return self._named(text)

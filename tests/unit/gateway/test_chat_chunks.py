@@ -245,14 +245,15 @@ def test_a_hermes_calls_header_chunk_always_carries_its_arguments_start():
 def test_a_final_steps_held_back_tail_joins_its_chunk():
     """A choice's final step and the text its parsers gave back at the end (here a `<tool_call>`
     block cut by max_tokens before its name: content) are one chunk with the finish reason, as
-    vLLM's last step is one chunk (they were two)."""
+    vLLM's last step is one chunk (they were two). Hermes' deltas carry `tool_calls` [] beside
+    text, as vLLM's hermes sets both fields."""
     chunks = _chat(tools=[TOOL])
     made = chunks.add(TokenStep([5], "Let me")) + chunks.add(TokenStep([6], " check <tool_", "length"))
     text = "Let me check <tool_"
     made += chunks.finish(_summary(text, [5, 6], [ChoiceSummary(0, text, [5, 6], "length")]))
     assert [(c["choices"][0]["delta"], c["choices"][0]["finish_reason"]) for c in made] == [
-        ({"content": "Let me"}, None),
-        ({"content": " check <tool_"}, "length"),
+        ({"content": "Let me", "tool_calls": []}, None),
+        ({"content": " check <tool_", "tool_calls": []}, "length"),
     ]
 
 

@@ -148,6 +148,12 @@ SCENARIOS: dict[str, tuple[HttpApiConfig, str, dict, _Script]] = {
         {"messages": [USER], "tools": [TOOL], "n": 2, "stream_options": USAGE},
         _Script(TWO_THINKING),
     ),
+    "chat n=2, reasoning and tool calls, continuous usage": (
+        THINKING_TOOLS,
+        "/v1/chat/completions",
+        {"messages": [USER], "tools": [TOOL], "n": 2, "stream_options": {**USAGE, "continuous_usage_stats": True}},
+        _Script(TWO_THINKING),
+    ),
     "chat n=2, reasoning left out": (
         HttpApiConfig(port=0, reasoning_parser="qwen3"),
         "/v1/chat/completions",

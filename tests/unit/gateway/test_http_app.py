@@ -476,6 +476,10 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk():
     assert all("usage" not in c for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 3
     # as vLLM: only with include_usage
     assert all("usage" not in c for c in _stream_chunks({"continuous_usage_stats": True}))
+    # vLLM's chat sets completion_tokens_details on every continuous-usage chunk, null without
+    # --reasoning-parser (the final usage chunk leaves the nulls out)
+    assert all(c["usage"]["completion_tokens_details"] is None for c in chunks[:-1])
+    assert "completion_tokens_details" not in chunks[-1]["usage"]
 
 
 class _TwoChoicePipeline(Pipeline):
@@ -734,6 +738,21 @@ def test_streamed_choices_part_their_own_tool_calls_with_their_own_finish_reason
     assert json.loads("".join(d["function"]["arguments"] for d in calls[0])) == {"city": "Paris"}
     finishes = [[c["finish_reason"] for c in cs if c["finish_reason"]] for cs in (first, second)]
     assert finishes == [["tool_calls"], ["length"]]
+    # vLLM's hermes sets both content and tool_calls on each step it says something in (content
+    # null beside calls, tool_calls [] beside text); the reasoning's steps carry neither
+    hermes = [c["delta"] for cs in (first, second) for c in cs if "role" not in c["delta"]]
+    said = [d for d in hermes if "content" in d or "tool_calls" in d]
+    assert said and all("content" in d and "tool_calls" in d for d in said), hermes
+    assert [d["content"] for d in said if d["tool_calls"]] == [None]  # choice 0's call, no text
+    assert all("tool_calls" not in d for d in hermes if d.keys() == {"reasoning", "reasoning_content"})
+    # as the reasoning tokens so far, with continuous usage: each chunk's own choice's
+    continuous = _post_chat(
+        _TwoChoicesPipeline(),
+        {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        config,
+    )
+    usages = [json.loads(line[6:])["usage"] for line in continuous.splitlines() if line.startswith("data: {")]
+    assert [u["completion_tokens_details"]["reasoning_tokens"] for u in usages] == [0, 0, 1, 0, 0, 1, 0, 1]
 
 
 def _post_each(config: GatewayConfig, pipeline, posts: list[tuple[str, dict, ModelInfo | None]]) -> list[str]:
