@@ -25,7 +25,7 @@ from epd.model_runtime.adapter import PrefillChunk, PrefillState, RenderOptions,
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.glm4v import Glm4vAdapter
 from epd.model_runtime.hf_loading import language_key, vision_key
-from epd.model_runtime.structured_output import REASONING_MARKERS
+from epd.model_runtime.reasoning_markers import REASONING_MARKERS
 from epd.model_runtime.tiny_glm4v import GLM4V_CHAT_TEMPLATE
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 from epd.video.types import DecodedVideo
