@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import bench_decode_batch  # noqa: E402
 from bench.bench_pruning import SPEC  # noqa: E402
-from bench.bench_vs_transformers_serve import make_clips  # noqa: E402
+from bench.common import make_clips  # noqa: E402
 from epd.gateway.ask_types import AskRequest, AskSummary  # noqa: E402
 from epd.gateway.embedded import build_embedded_pipeline  # noqa: E402
 from epd.model_runtime.config import ModelConfig  # noqa: E402
