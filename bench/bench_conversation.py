@@ -60,7 +60,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import bound_ports, epd_port_flags, log, make_clips, stop  # noqa: E402
+from bench.common import bound_ports, build_model, epd_port_flags, log, make_clips, stop  # noqa: E402
 
 QUESTIONS = (
     "what moves in the video?",
@@ -84,21 +84,6 @@ ROWS_AFTER_TEXT = (
 
 # ---------------------------------------------------------------------------------------------
 # inputs
-
-
-def build_model(model_dir: Path, max_pixels: int) -> None:
-    """bench/bench_pruning.py's 27M Qwen2-VL with frames kept up to `max_pixels`, in a child
-    process (no torch in this client)."""
-    code = (
-        "import sys; from dataclasses import replace; from bench.bench_pruning import SPEC; "
-        "from epd.model_runtime.tiny_model import build_checkpoint; "
-        "build_checkpoint(sys.argv[1], replace(SPEC, max_pixels=int(sys.argv[2])))"
-    )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    tmp = model_dir.with_name(model_dir.name + ".tmp")
-    subprocess.run([sys.executable, "-c", code, str(tmp), str(max_pixels)], cwd=REPO, env=env, check=True,
-                   stdout=subprocess.DEVNULL)  # fmt: skip
-    tmp.rename(model_dir)
 
 
 def remux_copy(src: Path, dst: Path, tag: str) -> Path:

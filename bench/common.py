@@ -65,16 +65,21 @@ def stop(proc: subprocess.Popen) -> None:
         pass
 
 
-def build_model(model_dir: Path) -> None:
-    """bench/bench_pruning.py's 27M Qwen2-VL, in a child process (no torch in this load client)."""
+def build_model(model_dir: Path, max_pixels: int | None = None) -> None:
+    """bench/bench_pruning.py's 27M Qwen2-VL, with frames kept up to `max_pixels` when given, in a
+    child process (no torch in this load client). Built under another name and renamed when done, so
+    that a build cut short is not taken for the model by the next run."""
     code = (
-        "import sys; from bench.bench_pruning import SPEC; "
-        "from epd.model_runtime.tiny_model import build_checkpoint; build_checkpoint(sys.argv[1], SPEC)"
+        "import sys; from dataclasses import replace; from bench.bench_pruning import SPEC; "
+        "from epd.model_runtime.tiny_model import build_checkpoint; "
+        "build_checkpoint(sys.argv[1], replace(SPEC, max_pixels=int(sys.argv[2])) if sys.argv[2:] else SPEC)"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    subprocess.run(
-        [sys.executable, "-c", code, str(model_dir)], cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL
-    )
+    tmp = model_dir.with_name(model_dir.name + ".tmp")
+    pixels = [] if max_pixels is None else [str(max_pixels)]
+    subprocess.run([sys.executable, "-c", code, str(tmp), *pixels], cwd=REPO, env=env, check=True,
+                   stdout=subprocess.DEVNULL)  # fmt: skip
+    tmp.rename(model_dir)
 
 
 def make_clips(out: Path, num_clips: int, size: int, seconds: float) -> list[Path]:
