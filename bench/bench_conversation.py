@@ -11,7 +11,7 @@ What it does, in one run:
     that frames are not shrunk: 448x448 -> 32x32 patches, 256 tokens per temporal group, 8,192
     visual tokens at 64 frames), or --model DIR;
   * clips: --num-clips different synthetic clips (epd.synth scenes, --clip-size square, 8 fps,
-    --clip-seconds long; bench/bench_vs_transformers_serve.py's maker) plus one for warm-up, and of
+    --clip-seconds long; bench/common.py's `make_clips`) plus one for warm-up, and of
     each, two byte-different copies: the same packets remuxed under another metadata tag (the same
     decoded frames, so the same visual tokens and prompt, but another sha256);
   * server: a fresh `epd serve` (or `epd serve --colocate`) on free loopback ports, started by this
@@ -60,7 +60,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_vs_transformers_serve import bound_ports, epd_port_flags, log, make_clips, stop  # noqa: E402
+from bench.common import bound_ports, build_model, epd_port_flags, log, make_clips, stop  # noqa: E402
 
 QUESTIONS = (
     "what moves in the video?",
@@ -84,21 +84,6 @@ ROWS_AFTER_TEXT = (
 
 # ---------------------------------------------------------------------------------------------
 # inputs
-
-
-def build_model(model_dir: Path, max_pixels: int) -> None:
-    """bench/bench_pruning.py's 27M Qwen2-VL with frames kept up to `max_pixels`, in a child
-    process (no torch in this client)."""
-    code = (
-        "import sys; from dataclasses import replace; from bench.bench_pruning import SPEC; "
-        "from epd.model_runtime.tiny_model import build_checkpoint; "
-        "build_checkpoint(sys.argv[1], replace(SPEC, max_pixels=int(sys.argv[2])))"
-    )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    tmp = model_dir.with_name(model_dir.name + ".tmp")
-    subprocess.run([sys.executable, "-c", code, str(tmp), str(max_pixels)], cwd=REPO, env=env, check=True,
-                   stdout=subprocess.DEVNULL)  # fmt: skip
-    tmp.rename(model_dir)
 
 
 def remux_copy(src: Path, dst: Path, tag: str) -> Path:

@@ -12,7 +12,7 @@ What it does, in one run:
     bench/bench_vs_transformers_serve.py builds into /tmp/epd-bench-vs-transformers/model-27m; built
     there if missing), --tiny for the ~1M test model (built into --work-dir), or --model DIR;
   * requests: for each stage, --num-requests questions over its own --num-clips synthetic clips
-    (epd.synth scenes, bench_vs_transformers_serve's maker; no clip shared between stages, so the
+    (epd.synth scenes, bench/common.py's `make_clips`; no clip shared between stages, so the
     caches of the fault stack are cold for each stage's clips), greedy, --max-tokens tokens with
     ignore_eos, --num-frames frames, over the gRPC front door (the SDK, no client retries unless
     --client-retries: what the stack itself saves), --in-flight at once, each with a deadline of
@@ -52,7 +52,7 @@ sys.path.insert(0, str(REPO))
 import grpc  # noqa: E402
 import psutil  # noqa: E402
 
-from bench.bench_vs_transformers_serve import build_model, log, make_clips  # noqa: E402
+from bench.common import build_model, log, make_clips  # noqa: E402
 from epd.client import AsyncEpdClient, EpdError, TokenDelta  # noqa: E402
 from epd.client.retry import NO_RETRY, RetryPolicy  # noqa: E402
 from epd.transport.affinity import rendezvous_order  # noqa: E402

@@ -56,6 +56,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import free_port  # noqa: E402
+
 QWEN2_NUM_MERGES = 151_387  # Qwen2's tokenizer.json: 256 byte symbols + 151,387 merges = 151,643 tokens
 QWEN2_VL_VOCAB = 151_936  # Qwen2-VL's config.json vocab_size (embedding rows)
 QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -171,14 +173,6 @@ def memory_bytes(pid: int | str) -> dict[str, int]:
         "rss": fields["Rss"],
         "uss": fields["Private_Clean"] + fields["Private_Dirty"],
     }
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tokenize_rpcs(address: str, num_calls: int) -> None:

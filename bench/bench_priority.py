@@ -32,8 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_conversation import ask, build_model, data_url, server_command, user, wait_ready  # noqa: E402
-from bench.bench_vs_transformers_serve import bound_ports, log, make_clips, stop  # noqa: E402
+from bench.bench_conversation import ask, data_url, server_command, user, wait_ready  # noqa: E402
+from bench.common import bound_ports, build_model, log, make_clips, stop  # noqa: E402
 
 POLICIES = ("fcfs", "priority")
 HIGH = -1

@@ -10,7 +10,7 @@ What it does, in one run:
   * requests: --num-requests questions, each about one video; --repeat-fraction of them (default
     0.5) repeat a video asked about earlier, each video at most twice, at random distances (see
     `request_sequence` for why), the others are about new synthetic clips
-    (bench/bench_vs_transformers_serve.py's maker). The same sequence (--seed) goes to both setups;
+    (bench/common.py's `make_clips`). The same sequence (--seed) goes to both setups;
   * setups, each a fresh stack of plain processes on loopback (caches cold), stopped afterwards:
     two `epd serve encoder` replicas, one prefill, one decode, and `epd serve gateway --encoder
     A,B --routing affinity|round-robin` with the HTTP API;
@@ -44,8 +44,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_conversation import build_model  # noqa: E402
-from bench.bench_vs_transformers_serve import bound_ports, log, make_clips, stop  # noqa: E402
+from bench.common import bound_ports, build_model, log, make_clips, stop  # noqa: E402
 
 ROUTINGS = ("affinity", "round-robin")
 

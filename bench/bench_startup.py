@@ -29,8 +29,6 @@ import base64
 import json
 import os
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import free_port, stop  # noqa: E402
 from epd.resources import demo_model_dir, shipped  # noqa: E402
 
 QUESTION = "what colour is the circle?"
@@ -50,12 +49,6 @@ MAX_TOKENS = 8
 POLL_S = 0.05
 FRONT_DOOR_MODULES = ("epd.gateway.server", "epd.cli.serve")
 """What the gateway process (`epd serve gateway`) and the launcher (`epd serve`) import."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def media_path(kind: str) -> Path:
@@ -102,18 +95,6 @@ def first_answer(
             last = repr(exc)
         time.sleep(POLL_S)
     raise TimeoutError(f"no answer within {timeout_s:.0f} s ({last})")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the server's own process group (started with it), then SIGKILL after 20 s."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass
 
 
 def run_server(

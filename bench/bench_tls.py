@@ -5,7 +5,7 @@
 
 What it does, in one run:
   * model: the 27M-parameter Qwen2-VL of bench/bench_pruning.py (built once into --work-dir), or
-    --model DIR; clips: synthetic 224x224 clips (bench/bench_vs_transformers_serve.py's maker);
+    --model DIR; clips: synthetic 224x224 clips (bench/common.py's `make_clips`);
   * setups, each a fresh `epd serve` (the stack on loopback; caches cold), stopped afterwards:
     "plain" (the stack's internal secret, no TLS) and "tls" (`--tls-cert --tls-key --tls-ca`: every
     port TLS, the stages mTLS, certificates made here by `trustme`, a dev dependency);
@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_vs_transformers_serve import build_model, log, make_clips, stop  # noqa: E402
+from bench.common import build_model, log, make_clips, stop  # noqa: E402
 from epd.client import EpdClient, TokenDelta  # noqa: E402
 
 QUESTION = "what happens in this video?"

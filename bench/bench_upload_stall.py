@@ -38,7 +38,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_vs_transformers_serve import build_model, epd_port_flags, log, make_clips, stop  # noqa: E402
+from bench.common import build_model, epd_port_flags, log, make_clips, stop  # noqa: E402
 
 
 def start_stack(model: Path, log_path: Path) -> tuple[subprocess.Popen, int]:

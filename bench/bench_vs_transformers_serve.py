@@ -53,8 +53,6 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -64,6 +62,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from epd.bench.common import (  # noqa: E402
+    bound_ports,
+    build_model,
+    epd_port_flags,
+    free_port,
+    log,
+    make_clips,
+    stop,
+)
 from epd.bench.openai_load import OpenAITarget, openai_bodies, run_openai  # noqa: E402
 from epd.bench.process_tree import (  # noqa: E402
     MiB,
@@ -83,53 +90,8 @@ SERVERS = ("epd", "epd-t1", "epd-colocate", "transformers")
 per model call; epd-colocate: one process (`epd serve --colocate`, --epd-threads)."""
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def free_port() -> int:
-    """A port free now, for a server that cannot bind port 0 and say which it got (`transformers
-    serve`): another process may take it before that server binds it. epd's servers bind port 0
-    themselves (`epd_port_flags`)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def epd_port_flags(ports_file: Path, stages: bool = True) -> list[str]:
-    """`epd serve`'s flags for every port a free one the kernel picks, written to `ports_file`
-    (`bound_ports`); `stages` False for --colocate, which has no stage servers."""
-    ports_file.unlink(missing_ok=True)  # an earlier run's
-    stage_ports = [f"--{stage}-port=0" for stage in ("encoder", "prefill", "decode")] if stages else []
-    return ["--gateway-port=0", *stage_ports, "--http-port=auto", f"--ports-file={ports_file}"]
-
-
-def bound_ports(ports_file: Path, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> dict:
-    """The ports `epd serve ... epd_port_flags(ports_file)` bound, once it has written them (its
-    services bind before they load the model); the log's tail if it exits or takes `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not ports_file.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            tail = log_path.read_text(errors="replace")[-3000:]
-            raise SystemExit(f"epd serve did not bind its ports (exit {proc.poll()}); log:\n{tail}")
-        time.sleep(0.1)
-    return json.loads(ports_file.read_text())
-
-
 # ---------------------------------------------------------------------------------------------
 # inputs
-
-
-def build_model(model_dir: Path) -> None:
-    """bench/bench_pruning.py's 27M Qwen2-VL, in a child process (no torch in this load client)."""
-    code = (
-        "import sys; from bench.bench_pruning import SPEC; "
-        "from epd.model_runtime.tiny_model import build_checkpoint; build_checkpoint(sys.argv[1], SPEC)"
-    )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    subprocess.run(
-        [sys.executable, "-c", code, str(model_dir)], cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL
-    )
 
 
 def min_tokens_copy(model_dir: Path, out: Path, min_new_tokens: int) -> Path:
@@ -152,24 +114,6 @@ def clips_per_level(clips: list[Path], args) -> list[list[Path]]:
     `num_clips * levels + 1`; the last is start-up's and warm-up's)."""
     n = args.num_clips
     return [clips[i * n : (i + 1) * n] for i in range(len(args.concurrency))]
-
-
-def make_clips(out: Path, num_clips: int, size: int, seconds: float) -> list[Path]:
-    """`num_clips` different synthetic clips (epd.synth scenes, seeds 0..n-1), made once."""
-    from epd.synth.render import encode_mp4, render_frames
-    from epd.synth.scene import SceneConfig, generate_scene
-
-    out.mkdir(parents=True, exist_ok=True)
-    config = SceneConfig(width_px=size, height_px=size, fps=8, duration_s=seconds)
-    paths = []
-    for seed in range(num_clips):
-        path = out / f"clip{seed:03d}.mp4"
-        if not path.exists():
-            tmp = path.with_suffix(".tmp")
-            tmp.write_bytes(encode_mp4(render_frames(generate_scene(seed, config)), config.fps))
-            tmp.rename(path)
-        paths.append(path)
-    return paths
 
 
 def torchcodec_env(work: Path, clip: Path) -> dict[str, str]:
@@ -271,18 +215,6 @@ def server_command(name: str, model: Path, args) -> tuple[list[str], dict[str, s
         env["OMP_NUM_THREADS"] = str(args.peer_threads)
     env.update(args.torchcodec_env)
     return cmd, env, f"http://127.0.0.1:{port}"
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group, SIGKILL after 30 s."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass
 
 
 def wait_ready(

@@ -55,10 +55,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import bench_decode_batch  # noqa: E402
 from bench.bench_pruning import SPEC  # noqa: E402
-from bench.bench_vs_transformers_serve import make_clips  # noqa: E402
+from bench.common import make_clips  # noqa: E402
 from epd.gateway.ask_types import AskRequest, AskSummary  # noqa: E402
 from epd.gateway.embedded import build_embedded_pipeline  # noqa: E402
 from epd.model_runtime.config import ModelConfig  # noqa: E402
+from epd.model_runtime.hf_reference import question_message, reference_inputs, whole_model  # noqa: E402
 from epd.model_runtime.loader import load_adapter  # noqa: E402
 from epd.model_runtime.sampling import GenerationConfig  # noqa: E402
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint  # noqa: E402
@@ -69,14 +70,7 @@ from epd.video.types import SamplingOptions  # noqa: E402
 from tests.embedded import ask_tokens  # noqa: E402
 from tests.families import FAMILIES, build_qwen3_vl_moe_checkpoint  # noqa: E402
 from tests.media import make_video  # noqa: E402
-from tests.reference import (  # noqa: E402
-    decode_for_test,
-    divergence_margin,
-    question_message,
-    reference_inputs,
-    reference_tokens,
-    whole_model,
-)
+from tests.reference import decode_for_test, divergence_margin, reference_tokens  # noqa: E402
 
 QUESTION = "what colour is the moving square?"
 MAX_NEW_TOKENS = 20

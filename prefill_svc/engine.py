@@ -27,6 +27,7 @@ from epd.model_runtime.adapter import (
 from epd.model_runtime.chat_template import check_syntax
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.loader import ModelLoadError
+from epd.model_runtime.reasoning_markers import REASONING_MARKERS
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.prefix_cache import PrefixCache, PrefixView
@@ -49,7 +50,7 @@ from epd.stages.messages import (
     media_type,
     to_chat_template,
 )
-from epd.stages.model_info import REASONING_MARKERS, ModelInfo
+from epd.stages.model_info import ModelInfo
 from epd.stages.raw_prompt import RawPrompt, check_raw_prompt
 from epd.stages.tokenize import TokenizeInput, TokenizeOutput, check_token_ids
 from epd.token_pruning import PruningConfig

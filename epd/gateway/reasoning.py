@@ -36,8 +36,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from epd.model_runtime.reasoning_markers import REASONING_MARKERS
 from epd.model_runtime.sampling import GenerationConfig
-from epd.stages.model_info import REASONING_MARKERS, ModelInfo
+from epd.stages.model_info import ModelInfo
 
 START, END = REASONING_MARKERS  # "<think>", "</think>"
 

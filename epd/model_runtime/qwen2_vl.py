@@ -28,10 +28,7 @@ from epd.model_runtime.adapter import (
 )
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.hf_loading import end_of_sequence, fingerprint, load_vision_part
-from epd.model_runtime.hf_loading import language_key as _language_key  # noqa: F401 (tests import these here)
 from epd.model_runtime.hf_loading import load_language_model as _load_text_part
-from epd.model_runtime.hf_loading import safetensors_files as _safetensors_files  # noqa: F401
-from epd.model_runtime.hf_loading import vision_key as _vision_key  # noqa: F401
 from epd.model_runtime.qwen_text import QwenTextAdapter
 from epd.model_runtime.template_errors import check_media_placeholders
 from epd.model_runtime.visual_placeholders import checked_visual_mask, placeholder_id

@@ -62,6 +62,7 @@ from typing import Any, Protocol
 
 from epd.model_runtime.compile_thread import CompileThread
 from epd.model_runtime.grammar_state import CompiledGrammar
+from epd.model_runtime.reasoning_markers import REASONING_MARKERS
 from epd.model_runtime.sampling import ConstraintBusy, InvalidConstraint, StructuredOutputs
 
 log = logging.getLogger(__name__)
@@ -99,10 +100,6 @@ each holds a core for as long as it runs, minutes for a pathological spec."""
 REMEMBERED_COMPILED = 4096
 """Specs a compiler remembers having compiled (the least recent out first): xgrammar's cache most
 likely holds them, so they are served even while `MAX_ABANDONED_COMPILES` compiles still run."""
-
-REASONING_MARKERS = ("<think>", "</think>")
-"""The markers vLLM's reasoning parsers (qwen3, deepseek_r1) part an answer at; a structured
-output under one starts after the second (`StructuredOutputs.after_reasoning`)."""
 
 _LOG_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+?:\d+: ")
 _CHECK_FAILED = re.compile(r"Check failed: \(.*?\) is false: ")

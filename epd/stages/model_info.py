@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from epd.model_runtime.logprobs import MAX_LOGPROBS
-from epd.model_runtime.structured_output import REASONING_MARKERS  # each one token of a thinking model
+from epd.model_runtime.reasoning_markers import REASONING_MARKERS
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from epd.gateway.embedded import build_embedded_pipeline
 from epd.gateway.http_api import HttpApi
 from epd.gateway.metrics import GatewayMetrics
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.hf_reference import whole_model
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest
 from epd.stages.messages import Message
@@ -35,7 +36,6 @@ from epd.stages.raw_prompt import RawPrompt
 from tests import reference
 from tests.embedded import request_summary
 from tests.families import FAMILIES, family_checkpoints
-from tests.reference import whole_model
 
 PROMPT = "Once upon a time, in a land far away,"
 MAX_TOKENS = 12

@@ -33,13 +33,14 @@ from epd.encoder_svc.token_cache import TokenCacheConfig
 from epd.gateway.ask_types import AskRequest, AskSummary
 from epd.gateway.embedded import build_embedded_pipeline
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.hf_reference import reference_inputs
 from epd.model_runtime.loader import load_adapter
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import EncodedMedia, MediaInput
 from epd.stages.messages import question_messages
 from epd.stages.model_thread import ModelThread
 from epd.video.types import DecodedVideo, SamplingOptions
-from tests.reference import decode_for_test, reference_inputs
+from tests.reference import decode_for_test
 
 QWEN2_FAMILIES = ["qwen2_vl", "qwen2_5_vl"]  # conftest's tiny models (`tiny_models`)
 HANG_GUARD_S = 120.0

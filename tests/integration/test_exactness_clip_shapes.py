@@ -20,6 +20,7 @@ import torch
 from epd.gateway.ask_types import AskRequest, AskSummary
 from epd.gateway.embedded import build_embedded_pipeline
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.hf_reference import reference_inputs, whole_model
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
 from epd.stages.contracts import MediaInput
@@ -28,7 +29,6 @@ from epd.video import simple_decoder
 from epd.video.types import SamplingOptions
 from tests.families import qwen_processor_inputs
 from tests.media import make_video
-from tests.reference import reference_inputs, whole_model
 
 MAX_NEW_TOKENS = 20
 

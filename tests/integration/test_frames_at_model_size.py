@@ -20,13 +20,14 @@ from epd.encoder_svc.engine import EncoderEngine
 from epd.encoder_svc.token_cache import TokenCacheConfig
 from epd.gateway.embedded import build_embedded_pipeline
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.hf_reference import whole_model
 from epd.model_runtime.loader import load_adapter
 from epd.stages.contracts import MediaInput
 from epd.video.types import DecodedVideo, SamplingOptions
 from tests.embedded import ask_tokens
 from tests.families import assert_pipeline_answers_as_generate, build_qwen3_5_checkpoint
 from tests.media import make_video
-from tests.reference import decode_for_test, reference_tokens, whole_model
+from tests.reference import decode_for_test, reference_tokens
 
 QUESTION = "what colour is the moving square?"
 NO_CACHE = TokenCacheConfig(memory_budget_bytes=0)

@@ -25,7 +25,8 @@ from epd.model_runtime.adapter import PrefillChunk, PrefillState, RenderOptions,
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.glm4v import Glm4vAdapter
 from epd.model_runtime.hf_loading import language_key, vision_key
-from epd.model_runtime.structured_output import REASONING_MARKERS
+from epd.model_runtime.hf_reference import whole_model
+from epd.model_runtime.reasoning_markers import REASONING_MARKERS
 from epd.model_runtime.tiny_glm4v import GLM4V_CHAT_TEMPLATE
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 from epd.video.types import DecodedVideo
@@ -49,7 +50,7 @@ from tests.families import (
     visual_meta,
 )
 from tests.families import qwen_processor_inputs as _processor_inputs
-from tests.reference import decode_for_test, reference_tokens, whole_model
+from tests.reference import decode_for_test, reference_tokens
 
 # A conversation that goes on after the model's answer: the video stays in the first turn.
 FOLLOW_UP = [

@@ -16,6 +16,7 @@ import torch
 
 from epd.model_runtime.adapter import VisionInputs
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.hf_reference import whole_model
 from epd.model_runtime.internvl import InternVLAdapter, language_key, vision_key
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 from tests.families import (
@@ -39,7 +40,6 @@ from tests.families import (
     own_frames_inputs,
     visual_meta,
 )
-from tests.reference import whole_model
 
 TOKENS_PER_FRAME = 16  # 112 px / patch 14 = 8 x 8 patches, pixel-shuffled to 4 x 4
 

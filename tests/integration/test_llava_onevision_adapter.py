@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.hf_reference import whole_model
 from epd.model_runtime.llava_onevision import LlavaOnevisionAdapter, language_key, vision_key
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 from tests.families import (
@@ -37,7 +38,6 @@ from tests.families import (
     own_frames_inputs,
     visual_meta,
 )
-from tests.reference import whole_model
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from epd.client import EpdClient, EpdError, TokenDelta
 from epd.gateway.ask_types import AskRequest, AskSummary
 from epd.gateway.embedded import build_embedded_pipeline
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.hf_reference import whole_model
 from epd.model_runtime.logprobs import MAX_LOGPROBS, TokenLogprob
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MediaInput
@@ -28,7 +29,7 @@ from epd.stages.messages import from_chat_template
 from epd.stages.raw_prompt import RawPrompt
 from epd.video.types import SamplingOptions
 from tests.embedded import request_summary
-from tests.reference import decode_for_test, logprobs_reference, whole_model
+from tests.reference import decode_for_test, logprobs_reference
 
 TOLERANCE = 1e-5
 """Absolute, or relative to the value where that is larger (`close`): float32 log_softmax of logits

@@ -22,6 +22,7 @@ from epd.gateway.embedded import build_embedded_pipeline
 from epd.gateway.http_server import start_http_api
 from epd.gateway.metrics import GatewayMetrics, MeteredPipeline
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.hf_reference import question_message, reference_inputs
 from epd.model_runtime.loader import ModelLoadError
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.config import PrefillConfig
@@ -33,7 +34,7 @@ from epd.stages.server_config import ServerConfig
 from epd.video.types import SamplingOptions
 from tests.embedded import request_summary
 from tests.integration.test_model_info import _chat, _model_card
-from tests.reference import decode_for_test, question_message, reference_inputs, reference_tokens
+from tests.reference import decode_for_test, reference_tokens
 from tests.stack import Stack, stage_replica
 
 QUESTION = "what happens?"  # `_chat`'s question, after the video

@@ -19,11 +19,12 @@ from epd.gateway.chat_answer import completion_body
 from epd.gateway.chat_chunks import chunk_body
 from epd.gateway.embedded import build_embedded_pipeline
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.hf_reference import reference_inputs
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MediaInput
 from epd.stages.messages import VIDEO, Message, from_chat_template
 from epd.video.types import SamplingOptions
-from tests.reference import decode_for_test, reference_inputs, reference_tokens_for_messages
+from tests.reference import decode_for_test, reference_tokens_for_messages
 from tests.stack import Stack
 
 FAMILY = "qwen2_vl"

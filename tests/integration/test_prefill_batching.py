@@ -23,6 +23,7 @@ import torch
 
 from epd.model_runtime.adapter import VisualMeta
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.hf_reference import reference_inputs
 from epd.model_runtime.loader import load_adapter
 from epd.model_runtime.sampling import GenerationConfig, SamplingFailed
 from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
@@ -36,7 +37,7 @@ from epd.stages.messages import question_messages
 from epd.stages.model_thread import ModelThread
 from epd.token_pruning import PruningConfig
 from tests.log_records import log_records
-from tests.reference import decode_for_test, reference_inputs
+from tests.reference import decode_for_test
 
 KV_ATOL = 1e-4
 TIE_TOL = 1e-3

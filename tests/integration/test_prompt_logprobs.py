@@ -21,6 +21,7 @@ from epd.gateway.ask_types import AskRequest, AskSummary
 from epd.gateway.embedded import build_embedded_pipeline
 from epd.model_runtime.adapter import PrefillChunk
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.hf_reference import whole_model
 from epd.model_runtime.loader import load_adapter
 from epd.model_runtime.logprobs import TokenLogprob
 from epd.model_runtime.sampling import GenerationConfig
@@ -32,7 +33,7 @@ from epd.stages.raw_prompt import RawPrompt
 from epd.token_pruning import PruningConfig
 from epd.video.types import SamplingOptions
 from tests.embedded import request_summary
-from tests.reference import decode_for_test, prompt_inputs, whole_model
+from tests.reference import decode_for_test, prompt_inputs
 
 TOLERANCE = 1e-5
 K = 5

@@ -21,6 +21,7 @@ import torch
 from epd.model_runtime.adapter import PrefillChunk, PrefillState, VisualFeatures
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.hf_loading import language_key, vision_key
+from epd.model_runtime.hf_reference import whole_model
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.qwen3_5 import Qwen3_5Adapter
 from tests.families import (
@@ -43,7 +44,6 @@ from tests.families import (
     visual_meta,
 )
 from tests.families import qwen_processor_inputs as _processor_inputs
-from tests.reference import whole_model
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ from epd.client import EpdClient, EpdError
 from epd.encoder_svc.config import EncoderConfig
 from epd.gateway.embedded import build_embedded_pipeline
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.hf_reference import whole_model
 from epd.model_runtime.qwen3_5 import Qwen3_5Adapter
 from tests.families import (
     CASES,
@@ -33,7 +34,6 @@ from tests.families import (
     make_clip_over_qwen3_size_limit,
     qwen_processor_inputs,
 )
-from tests.reference import whole_model
 from tests.stack import Stack
 
 MAX_NEW_TOKENS = 12  # short answers: every token still has to match, and CI time matters

@@ -16,6 +16,7 @@ from transformers.video_utils import VideoMetadata
 from epd.model_runtime.adapter import PrefillChunk, VisualFeatures, VisualMeta
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.hf_loading import language_key, vision_key
+from epd.model_runtime.hf_reference import whole_model
 from epd.model_runtime.qwen2_vl import Qwen2VLAdapter
 from epd.model_runtime.qwen3_vl import Qwen3VLAdapter
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
@@ -38,7 +39,7 @@ from tests.families import (
     visual_meta,
 )
 from tests.families import qwen_processor_inputs as _processor_inputs
-from tests.reference import decode_for_test, whole_model
+from tests.reference import decode_for_test
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from epd.model_runtime.adapter import PrefillChunk, UnsupportedByFamily
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.hf_loading import language_key, vision_key
+from epd.model_runtime.hf_reference import whole_model
 from epd.model_runtime.loader import SUPPORTED
 from epd.model_runtime.qwen3_vl import Qwen3VLAdapter
 from epd.model_runtime.qwen3_vl_moe import Qwen3VLMoeAdapter
@@ -43,7 +44,6 @@ from tests.families import (
     qwen_processor_inputs,
     visual_meta,
 )
-from tests.reference import whole_model
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ from epd.gateway.ask_types import AskRequest, AskSummary
 from epd.gateway.embedded import build_embedded_pipeline
 from epd.model_runtime.adapter import VisualFeatures
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.hf_reference import whole_model
 from epd.model_runtime.loader import load_adapter
 from epd.model_runtime.sampling import GenerationConfig
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
@@ -52,7 +53,7 @@ from tests.families import (
     generate_on_whole_clip,
     make_clip_over_qwen3_size_limit,
 )
-from tests.reference import decode_for_test, whole_model
+from tests.reference import decode_for_test
 from tests.stack import Stack
 
 QUESTION = "what colour is the moving square?"

@@ -21,11 +21,12 @@ from epd.client import EpdClient
 from epd.gateway.ask_types import AskRequest, AskSummary
 from epd.gateway.embedded import build_embedded_pipeline
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.hf_reference import question_message, reference_inputs, whole_model
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MediaInput
 from epd.stages.messages import question_messages
 from epd.video.types import SamplingOptions
-from tests.reference import decode_for_test, question_message, reference_inputs, reference_tokens, whole_model
+from tests.reference import decode_for_test, reference_tokens
 from tests.stack import ROOT, Stack
 
 QUESTION = "what colour is the moving square?"

@@ -20,7 +20,6 @@ import pytest
 from epd.client import EpdClient
 from epd.client.types import EpdError, StageEvent
 from epd.model_runtime.structured_output import MAX_ABANDONED_COMPILES
-from tests.integration.test_cancellation import VerboseStack, wait_until
 from tests.integration.test_cancellation import long_clip as _long_clip
 from tests.integration.test_structured_gateway import SLOW_REGEX
 from tests.integration.test_structured_outputs import (
@@ -32,6 +31,7 @@ from tests.integration.test_structured_outputs import (
     masked_references,
 )
 from tests.reference import decode_for_test
+from tests.stack import VerboseStack, wait_until
 
 TIMEOUT_S = 0.5
 

@@ -27,12 +27,13 @@ from epd.client.types import EpdError
 from epd.gateway.ask_types import AskRequest
 from epd.gateway.embedded import build_embedded_pipeline
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.hf_reference import question_message, reference_inputs, whole_model
 from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs
 from epd.stages.contracts import MediaInput
 from epd.stages.messages import question_messages
 from epd.video.types import SamplingOptions
 from tests.embedded import request_summary
-from tests.reference import decode_for_test, question_message, reference_inputs, reference_tokens, whole_model
+from tests.reference import decode_for_test, reference_tokens
 
 QUESTION = "list the objects as JSON"
 NUM_FRAMES = 4

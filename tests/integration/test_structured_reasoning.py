@@ -18,9 +18,9 @@ import torch
 import xgrammar as xgr
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from epd.model_runtime.hf_reference import whole_model
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 from tests.local_http import post_json
-from tests.reference import whole_model
 from tests.stack import Stack
 
 MAX_TOKENS = 48

@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from bench.cuda_check import FAMILIES, families_flag
+from bench.cuda_check import families_flag
+from tests.families import FAMILIES
 
 
 def test_families_takes_all_or_known_names_and_names_them_when_refusing():

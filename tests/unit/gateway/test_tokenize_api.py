@@ -19,13 +19,13 @@ from epd.gateway.metrics import GatewayMetrics
 from epd.gateway.pipeline import Pipeline
 from epd.gateway.readiness import InProcessHealth
 from epd.gateway.server import start
-from epd.gateway.tokenize_api import MAX_DETOKENIZE_TOKENS, parse_detokenize_request, parse_tokenize_request
+from epd.gateway.tokenize_api import parse_detokenize_request, parse_tokenize_request
 from epd.stages.contracts import PrefillStage
 from epd.stages.errors import InvalidRequest, NotFound
 from epd.stages.messages import ChatTemplateOptions, ContentPart, Message, from_chat_template, text
 from epd.stages.model_info import ModelInfo
 from epd.stages.server_config import ServerConfig
-from epd.stages.tokenize import TokenizeInput, TokenizeOutput, check_token_ids
+from epd.stages.tokenize import MAX_DETOKENIZE_TOKENS, TokenizeInput, TokenizeOutput, check_token_ids
 from epd.transport.message_convert import messages_to_proto, template_to_proto
 from epd.transport.model_info import public_tokenize_input_from_proto
 from epd.v1 import gateway_pb2, gateway_pb2_grpc

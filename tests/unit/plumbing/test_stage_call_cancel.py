@@ -15,12 +15,11 @@ import asyncio
 import grpc
 import pytest
 
-from epd.decode_svc import kv_pull
 from epd.decode_svc.kv_pull import KvPuller
 from epd.stages.contracts import MediaInput
 from epd.transport.remote_encode import RemoteEncodeStage
 from epd.transport.replica_pool import ReplicaPool
-from epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, prefill_pb2
+from epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from epd.video.types import SamplingOptions
 from tests.unit.plumbing.grpc_fakes import connected
 
@@ -167,9 +166,7 @@ def test_a_cancelled_kv_pull_ends_its_call_on_prefill(monkeypatch, cut):
         try:
             task: dict[str, asyncio.Task] = {}
             if cut == "as-the-call-starts":
-                _cancel_when_started(
-                    monkeypatch, kv_pull.prefill_pb2_grpc, "PrefillServiceStub", "PullKv", task
-                )
+                _cancel_when_started(monkeypatch, prefill_pb2_grpc, "PrefillServiceStub", "PullKv", task)
             await _read_then_cut(puller.pull(address, "handle"), stage, cut, task)
         finally:
             await puller.close()

@@ -10,7 +10,8 @@ import torch
 from safetensors import safe_open
 
 from epd.model_runtime.config import ModelConfig
-from epd.model_runtime.qwen2_vl import Qwen2VLAdapter, _language_key, _safetensors_files, _vision_key
+from epd.model_runtime.hf_loading import language_key, safetensors_files, vision_key
+from epd.model_runtime.qwen2_vl import Qwen2VLAdapter
 from epd.resources import demo_model_dir
 
 
@@ -22,7 +23,7 @@ def _checkpoints(tiny_models) -> dict[str, str]:
 
 
 def _keys(path: str) -> list[str]:
-    root, files = _safetensors_files(path)
+    root, files = safetensors_files(path)
     assert files, path
     keys = []
     for name in files:
@@ -34,8 +35,8 @@ def _keys(path: str) -> list[str]:
 def test_every_tensor_is_read_by_exactly_one_part(tiny_models):
     for name, path in _checkpoints(tiny_models).items():
         keys = _keys(path)
-        vision = [k for k in keys if _vision_key(k) is not None]
-        language = [k for k in keys if _language_key(k) is not None]
+        vision = [k for k in keys if vision_key(k) is not None]
+        language = [k for k in keys if language_key(k) is not None]
         assert vision and language, name
         assert not set(vision) & set(language), f"{name}: a tensor read by both parts"
         assert set(vision) | set(language) == set(keys), f"{name}: tensors no part reads"
