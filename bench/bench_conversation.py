@@ -45,22 +45,30 @@ What it does, in one run:
 from __future__ import annotations
 
 import argparse
-import base64
-import http.client
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import bound_ports, build_model, epd_port_flags, log, make_clips, stop  # noqa: E402
+from bench.common import (  # noqa: E402
+    Turn,
+    ask,
+    bound_ports,
+    build_model,
+    data_url,
+    log,
+    make_clips,
+    server_command,
+    stop,
+    user,
+    wait_ready,
+)
 
 QUESTIONS = (
     "what moves in the video?",
@@ -108,95 +116,8 @@ def remux_copy(src: Path, dst: Path, tag: str) -> Path:
     return dst
 
 
-def data_url(path: Path) -> str:
-    return "data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode()
-
-
 # ---------------------------------------------------------------------------------------------
-# one streaming request
-
-
-@dataclass
-class Turn:
-    ttft_ms: float = 0.0
-    prefill_ms: float = 0.0
-    answer: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    prompt_tokens: int = 0
-    cached_tokens: int | None = None
-    encoder_cache_hit: bool = False
-
-
-def ask(
-    port: int, messages: list[dict], args, timeout_s: float, cache_salt: str = "", fields: dict | None = None
-) -> Turn:
-    """One streaming /v1/chat/completions (with `fields` added to its body): TTFT at the first chunk
-    that carries tokens; the answer, its token ids and timings from the final chunk's `epd`
-    details; tokens from `usage`."""
-    body: dict = {
-        "messages": messages,
-        "max_tokens": args.max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "media": {"num_frames": args.num_frames},
-        "return_token_ids": True,  # a chunk's token ids: TTFT at the first token, text or not
-        **(fields or {}),
-    }
-    if cache_salt:
-        body["cache_salt"] = cache_salt
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
-    turn = Turn()
-    parts: list[str] = []
-    try:
-        t0 = time.perf_counter()
-        conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
-                     headers={"Content-Type": "application/json", "Accept": "text/event-stream"})  # fmt: skip
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
-        while True:
-            raw = resp.readline()
-            if not raw:
-                break
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                break
-            chunk = json.loads(payload)
-            if chunk.get("error"):
-                raise RuntimeError(f"error in stream: {str(chunk['error'])[:300]}")
-            for choice in chunk.get("choices") or []:
-                text = (choice.get("delta") or {}).get("content") or ""
-                if (choice.get("token_ids") or text) and not turn.ttft_ms:
-                    turn.ttft_ms = (time.perf_counter() - t0) * 1e3
-                parts.append(text)
-            details = chunk.get("epd")
-            if details:
-                turn.token_ids = list(details.get("token_ids") or [])
-                turn.prefill_ms = float((details.get("timings_ms") or {}).get("prefill", 0.0))
-                turn.encoder_cache_hit = bool(details.get("encoder_cache_hit"))
-            usage = chunk.get("usage")
-            if usage:
-                turn.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-                turn.cached_tokens = None if cached is None else int(cached)
-    finally:
-        conn.close()
-    if not turn.ttft_ms:
-        raise RuntimeError("the stream carried no tokens")
-    turn.answer = "".join(parts)
-    return turn
-
-
-def user(text: str, video_url: str | None = None) -> dict:
-    if video_url is None:
-        return {"role": "user", "content": text}
-    return {"role": "user", "content": [{"type": "video_url", "video_url": {"url": video_url}},
-                                        {"type": "text", "text": text}]}  # fmt: skip
+# one conversation
 
 
 def conversation(port: int, clip: Path, copies: list[Path], args, label: str) -> dict[tuple[int, bool], Turn]:
@@ -247,40 +168,6 @@ def log_turns(label: str, out: dict[tuple[int, bool], Turn]) -> None:
         for (n, cold), t in out.items()
     )
     log(f"{label}: TTFT {line}")
-
-
-# ---------------------------------------------------------------------------------------------
-# server
-
-
-def server_command(model: Path, args, ports_file: Path) -> tuple[list[str], dict[str, str]]:
-    """Every port one the kernel picks, named in `ports_file` (`bound_ports`). --colocate has no
-    stage servers: their ports would be refused as flags that do nothing."""
-    ports = epd_port_flags(ports_file, stages=not args.colocate)
-    cmd = [sys.executable, "-m", "epd.cli.main", "serve", "--model", str(model), *ports,
-           *(["--colocate"] if args.colocate else []),
-           *(["--num-threads", args.threads] if args.threads else []), *args.epd_arg]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    if args.threads.isdigit():
-        env["OMP_NUM_THREADS"] = args.threads
-    return cmd, env
-
-
-def wait_ready(proc: subprocess.Popen, port: int, timeout_s: float, log_path: Path) -> float:
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout_s:
-        if proc.poll() is not None:
-            tail = log_path.read_text(errors="replace")[-3000:]
-            raise SystemExit(f"the server exited with {proc.returncode} before serving; log:\n{tail}")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return time.perf_counter() - t0
-        except OSError:
-            pass
-        time.sleep(0.25)
-    raise SystemExit(f"the server did not serve within {timeout_s:.0f} s; log: {log_path}")
 
 
 # ---------------------------------------------------------------------------------------------

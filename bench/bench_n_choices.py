@@ -37,8 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_conversation import server_command, wait_ready  # noqa: E402
-from bench.common import bound_ports, build_model, log, make_clips, stop  # noqa: E402
+from bench.common import bound_ports, build_model, log, make_clips, server_command, stop, wait_ready  # noqa: E402
 
 SEED = 1130
 GROUPS = ("n choices", "n cold", "n shared")

@@ -32,8 +32,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_conversation import ask, data_url, server_command, user, wait_ready  # noqa: E402
-from bench.common import bound_ports, build_model, log, make_clips, stop  # noqa: E402
+from bench.common import (  # noqa: E402
+    ask,
+    bound_ports,
+    build_model,
+    data_url,
+    log,
+    make_clips,
+    server_command,
+    stop,
+    user,
+    wait_ready,
+)
 
 POLICIES = ("fcfs", "priority")
 HIGH = -1
@@ -70,7 +80,7 @@ def run_load(port: int, low: list[Path], high: list[Path], args, policy: str) ->
 
 
 def _limits(max_tokens: int, num_frames: int) -> Namespace:
-    """The two fields of bench_conversation's `args` that its `ask` reads."""
+    """The two fields of `args` that bench/common.py's `ask` reads."""
     return Namespace(max_tokens=max_tokens, num_frames=num_frames)
 
 

@@ -5,7 +5,6 @@ NOT_SERVING from no answer at all."""
 from __future__ import annotations
 
 import signal
-import socket
 from concurrent import futures
 
 import grpc
@@ -22,7 +21,7 @@ from epd.stages.server_config import TransportSecurity
 from epd.transport import security
 from epd.video.types import SamplingOptions
 from tests.pki import make_pki
-from tests.stack import ROOT
+from tests.stack import ROOT, free_port
 
 VIDEO = str(ROOT / "samples" / "sample.mp4")
 
@@ -232,13 +231,6 @@ def test_epd_ask_says_what_its_video_path_is(capsys, tmp_path, where, expected):
     assert expected in err and path in err
 
 
-def _free_port() -> int:
-    """A loopback port nothing listens on (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _health_server(credentials: grpc.ServerCredentials | None = None):
     """A gRPC server on loopback whose health answers NOT_SERVING (plaintext, or `credentials`),
     its address and its health servicer."""
@@ -280,7 +272,7 @@ def test_epd_health_tells_not_serving_from_no_answer(capsys, plain_security):
         assert capsys.readouterr().err.startswith("NOT_SERVING (NOT_FOUND")
     finally:
         server.stop(None)
-    nobody = f"127.0.0.1:{_free_port()}"
+    nobody = f"127.0.0.1:{free_port()}"
     assert _health(nobody, "--timeout", "5") == 1
     err = capsys.readouterr().err
     assert (

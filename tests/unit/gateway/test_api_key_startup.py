@@ -16,13 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epd.gateway.config import GatewayConfig, HttpApiConfig, open_without_key
 from epd.stages.server_config import ServerConfig
-from tests.stack import bound_ports
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.stack import bound_ports, free_port
 
 
 def _epd(*args: str) -> subprocess.Popen:
@@ -71,7 +65,7 @@ def test_open_without_key(config, refused):
 
 
 def test_a_gateway_on_every_interface_without_a_key_exits_before_binding():
-    port = _free_port()
+    port = free_port()
     proc = _epd("--host", "0.0.0.0", "--port", str(port))
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2  # a usage error, as every other bad flag value

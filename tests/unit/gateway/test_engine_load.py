@@ -4,7 +4,6 @@ read directly, remote replicas over a real in-process LoadService, and stages th
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import grpc
 
@@ -17,6 +16,7 @@ from epd.transport.remote_decode import RemoteDecodeStage
 from epd.transport.remote_encode import RemoteEncodeStage
 from epd.transport.remote_prefill import RemotePrefillStage
 from epd.transport.replica_pool import ReplicaPool
+from tests.stack import free_port
 
 ENGINE_METRICS = {
     "epd_engine_running_requests": ("gauge", "num_running"),
@@ -133,12 +133,6 @@ def test_a_stage_that_fails_or_hangs_has_no_samples_and_counts_an_error():
     assert metrics.value(errors, stage="decode", replica="local") == 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _load_servers(*names: str) -> tuple[list[grpc.aio.Server], list[str]]:
     """One in-process LoadService per name, reporting an engine core of that name."""
     servers, addresses = [], []
@@ -161,7 +155,7 @@ def test_remote_replicas_are_read_over_load_service():
     async def scenario():
         servers, listed = await _load_servers("encoder", "prefill", "decode")
         addresses = dict(zip(("encoder", "prefill", "decode"), listed))
-        down = f"127.0.0.1:{_free_port()}"
+        down = f"127.0.0.1:{free_port()}"
         pools = [ReplicaPool([addresses["encoder"], down]), ReplicaPool([addresses["prefill"]])]
         pools.append(ReplicaPool([addresses["decode"]]))
         pipeline = Pipeline(

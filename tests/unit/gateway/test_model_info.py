@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 
 import grpc
 import pytest
@@ -22,6 +21,7 @@ from epd.transport.model_info import model_info_from_proto, model_info_to_proto
 from epd.transport.remote_prefill import RemotePrefillStage
 from epd.transport.replica_pool import ReplicaPool
 from epd.v1 import prefill_pb2_grpc
+from tests.stack import free_port
 
 QWEN = ModelInfo(
     vocab_size=512, context_tokens=32768, max_prompt_tokens=32768, max_new_tokens=4096, model_type="qwen2_vl"
@@ -96,12 +96,6 @@ async def _prefill_server(info: ModelInfo | None) -> tuple[grpc.aio.Server, str]
     return server, f"127.0.0.1:{port}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_gateway_reads_every_prefill_replica_and_the_pipeline_checks_with_it():
     """One replica answers, one still loads its model (UNAVAILABLE), one is not there: the view is
     the one answer's, and the pipeline's early vocabulary check uses it. Once the loading replica
@@ -110,7 +104,7 @@ def test_the_gateway_reads_every_prefill_replica_and_the_pipeline_checks_with_it
     async def scenario():
         ready, ready_address = await _prefill_server(QWEN)
         loading, loading_address = await _prefill_server(None)
-        pool = ReplicaPool([ready_address, loading_address, f"127.0.0.1:{_free_port()}"])
+        pool = ReplicaPool([ready_address, loading_address, f"127.0.0.1:{free_port()}"])
         stage = RemotePrefillStage(pool, 5.0)
         pipeline = Pipeline(None, stage, None)  # type: ignore[arg-type]
         try:
@@ -152,7 +146,7 @@ def test_a_dns_name_not_found_yet_is_not_asked():
 
 def test_the_watch_polls_until_a_replica_answers_and_stops_when_told_not_to_refresh():
     async def scenario():
-        pool = ReplicaPool([f"127.0.0.1:{_free_port()}"])
+        pool = ReplicaPool([f"127.0.0.1:{free_port()}"])
         stage = RemotePrefillStage(pool, 5.0)
         watch = asyncio.ensure_future(watch_model_info(stage, interval_s=0))
         try:
