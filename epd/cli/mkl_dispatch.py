@@ -34,6 +34,7 @@ import os
 import platform
 import shutil
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 
 from epd.cli.preload_plan import PreloadPlan, preload_entries
@@ -90,7 +91,8 @@ def build_shim(cache_dir: Path, compiler: str | None) -> tuple[Path | None, str 
     return target, None
 
 
-def find_compiler(environ: os._Environ[str] | dict[str, str] = os.environ) -> str | None:
+def find_compiler(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The C compiler to build the library with: $CC, else cc or gcc on PATH (None: none)."""
     if cc := environ.get("CC"):
         return shutil.which(cc)
     return shutil.which("cc") or shutil.which("gcc")

@@ -22,9 +22,7 @@ from epd.cli.preload_plan import PreloadPlan, mapped_libraries
 log = logging.getLogger(__name__)
 
 
-def plan_preloads(
-    allocator: PreloadPlan, mkl: PreloadPlan, environ: dict[str, str]
-) -> tuple[dict[str, str] | None, str | None]:
+def plan_preloads(allocator: PreloadPlan, mkl: PreloadPlan) -> tuple[dict[str, str] | None, str | None]:
     """(the environment to run again with, or None; the first error, or None) of the two plans,
     `mkl` planned on `allocator`'s environment."""
     error = allocator.error or mkl.error
@@ -49,7 +47,7 @@ def ensure_preloads(allocator_choice: str, mkl_choice: str) -> str | None:
     for note in (allocator.note, mkl.note):
         if note:
             log.info("%s", note)
-    exec_env, error = plan_preloads(allocator, mkl, environ)
+    exec_env, error = plan_preloads(allocator, mkl)
     if exec_env is not None:
         sys.stdout.flush()
         sys.stderr.flush()

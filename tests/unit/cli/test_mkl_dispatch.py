@@ -67,19 +67,19 @@ def test_the_two_preloads_run_again_once_with_both():
     """The allocator's plan first; MKL's planned on its environment: one exec with both."""
     allocator = PreloadPlan(exec_env={"LD_PRELOAD": "libtcmalloc_minimal.so.4"})
     mkl = plan_mkl_dispatch("features", allocator.exec_env, PLAIN_MAP, "x86_64", LIB, None)
-    assert plan_preloads(allocator, mkl, allocator.exec_env) == (
+    assert plan_preloads(allocator, mkl) == (
         {"LD_PRELOAD": f"libtcmalloc_minimal.so.4:{LIB}"},
         None,
     )
-    assert plan_preloads(allocator, PreloadPlan(), {}) == (allocator.exec_env, None)
-    assert plan_preloads(PreloadPlan(), PreloadPlan(), {}) == (None, None)
+    assert plan_preloads(allocator, PreloadPlan()) == (allocator.exec_env, None)
+    assert plan_preloads(PreloadPlan(), PreloadPlan()) == (None, None)
 
 
 def test_an_error_of_either_preload_stops_before_any_exec():
     allocator = PreloadPlan(error="--allocator tcmalloc: no tcmalloc library found")
     mkl = PreloadPlan(exec_env={"LD_PRELOAD": str(LIB)})
-    assert plan_preloads(allocator, mkl, {}) == (None, allocator.error)
-    assert plan_preloads(PreloadPlan(exec_env={}), PreloadPlan(error="no compiler"), {}) == (
+    assert plan_preloads(allocator, mkl) == (None, allocator.error)
+    assert plan_preloads(PreloadPlan(exec_env={}), PreloadPlan(error="no compiler")) == (
         None,
         "no compiler",
     )
