@@ -1,7 +1,9 @@
 """Each stage loads only its part of the checkpoint (issue #22 item 3): the encoder reads only the
 vision tower's tensors, prefill and decode only the language model's, and what they load equals
 the whole model's weights. Both key layouts: the hub's (the shipped demo model) and the one
-transformers 5 writes (the tiny checkpoints)."""
+transformers 5 writes (the tiny checkpoints). The loader gives each stage its parts (one table for
+every family; the adapter tests' `load_stage_adapters` check each family's encoder and one language
+stage)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from safetensors import safe_open
 
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.hf_loading import language_key, safetensors_files, vision_key
+from epd.model_runtime.loader import load_adapter
 from epd.model_runtime.qwen2_vl import Qwen2VLAdapter
 from epd.resources import demo_model_dir
 
@@ -69,3 +72,13 @@ def test_one_part_stages_load_exactly_the_whole_models_weights_of_their_part(tin
 def test_a_prompt_only_adapter_loads_no_weights(tiny_models):
     adapter = Qwen2VLAdapter(str(tiny_models["qwen2_vl"]), ModelConfig(), set())
     assert adapter.model is None and adapter.visual is None
+
+
+@pytest.mark.parametrize(
+    ("stage", "tower", "language"),
+    [("encoder", True, False), ("prefill", False, True), ("decode", False, True), ("all", True, True)],
+)
+def test_the_loader_gives_each_stage_its_parts(tiny_models, stage, tower, language):
+    adapter = load_adapter(ModelConfig(model=str(tiny_models["qwen2_vl"])), stage)
+    assert adapter.parts == ({"vision"} if tower else set()) | ({"language"} if language else set())
+    assert (adapter.visual is not None, adapter.model is not None) == (tower, language)
