@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from epd.model_runtime.config import ModelConfig
-from epd.model_runtime.hf_loading import language_key, safetensors_files, vision_key
+from epd.model_runtime.hf_loading import hide_transformers_bars, language_key, safetensors_files, vision_key
 from epd.model_runtime.loader import load_adapter
 from epd.model_runtime.qwen2_vl import Qwen2VLAdapter
 from epd.resources import demo_model_dir
@@ -82,3 +82,16 @@ def test_the_loader_gives_each_stage_its_parts(tiny_models, stage, tower, langua
     adapter = load_adapter(ModelConfig(model=str(tiny_models["qwen2_vl"])), stage)
     assert adapter.parts == ({"vision"} if tower else set()) | ({"language"} if language else set())
     assert (adapter.visual is not None, adapter.model is not None) == (tower, language)
+
+
+def test_hidden_transformers_bars_leave_a_whole_model_load_silent(tiny_models, capfd):
+    """`epd serve --colocate` loads the whole model through transformers, which draws a "Loading
+    weights" bar on stderr unless told not to (the stack's one-part stages draw none)."""
+    from transformers.utils import logging as transformers_logging
+
+    hide_transformers_bars()
+    try:
+        Qwen2VLAdapter(str(tiny_models["qwen2_vl"]), ModelConfig(), {"vision", "language"})
+    finally:
+        transformers_logging.set_tqdm_hook(None)
+    assert "Loading weights" not in capfd.readouterr().err
