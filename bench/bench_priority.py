@@ -4,7 +4,8 @@
     PYTHONPATH=. .venv/bin/python bench/bench_priority.py --colocate      # epd serve --colocate
 
 What it does, in one run:
-  * model: bench/bench_conversation.py's 27M-parameter Qwen2-VL (built once into --work-dir), or
+  * model: the 27M-parameter Qwen2-VL of bench/bench_pruning.py (its SPEC with frames kept up to
+    --clip-size x --clip-size; built once into --work-dir by bench/common.py's build_model), or
     --model DIR;
   * clips: --num-low + --num-high distinct synthetic clips (no request finds another's video in
     the encoder's token cache or prefill's prefix cache), plus one for warm-up;

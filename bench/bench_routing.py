@@ -6,7 +6,7 @@ encoder replicas, half of the requests repeating an earlier video.
 
 What it does, in one run:
   * model: the 27M-parameter Qwen2-VL of bench/bench_pruning.py (built once into --work-dir by
-    bench/bench_conversation.py's builder), or --model DIR;
+    bench/common.py's build_model), or --model DIR;
   * requests: --num-requests questions, each about one video; --repeat-fraction of them (default
     0.5) repeat a video asked about earlier, each video at most twice, at random distances (see
     `request_sequence` for why), the others are about new synthetic clips

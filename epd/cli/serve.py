@@ -117,7 +117,9 @@ async def _colocated(config, stages: ColocatedStages) -> None:
     threads, in the order `--schedule` sets), the same gRPC and HTTP front door on the same ports."""
     from epd.gateway import server as gateway
     from epd.gateway.embedded import build_embedded_pipeline
+    from epd.model_runtime.hf_loading import hide_transformers_bars
 
+    hide_transformers_bars()  # as the stack's services: log lines in the log, no bar
     await gateway.main(
         config,
         local=build_embedded_pipeline(
@@ -133,8 +135,8 @@ async def _colocated(config, stages: ColocatedStages) -> None:
 
 _NOT_OURS = ("_poll_wrapper", "tqdm_monitor")
 """Threads of libraries that live as long as the library and run no torch call, left out of
-`_log_threads_left`: gRPC's completion-queue poller (grpc.aio), and tqdm's monitor (started by the
-weights' loading bar, asleep in a pure-Python wait)."""
+`_log_threads_left`: gRPC's completion-queue poller (grpc.aio), and tqdm's monitor (started by a
+hub download's bar, asleep in a pure-Python wait)."""
 
 
 def _log_threads_left() -> None:

@@ -32,6 +32,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 from collections.abc import Iterator
@@ -40,6 +41,11 @@ from pathlib import Path
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1
+
+_MAIN_SWAP = threading.Lock()
+"""Held while `sys.modules["__main__"]` is swapped for a child's start (`_no_main_for_the_child`):
+two threads starting services at once would otherwise interleave the swaps, and the one that
+restored last would put back the other's bare module for good."""
 
 # Imported by the zygote before any fork, whatever the model: torch and what every model service
 # imports with it. The family's own modules are added by `preload_modules`.
@@ -193,14 +199,16 @@ def _no_main_for_the_child() -> Iterator[None]:
     run as `python -m epd.cli.main` every service executed epd/cli/main.py a second time, beside the
     copy the zygote preloaded, and runpy warned of it ("'epd.cli.main' found in sys.modules ...";
     the `epd` script's file was run again the same way, without the warning). A bare `__main__`
-    while the child's start-up data is taken leaves it nothing to run. Only the launcher's own
-    thread starts services, and nothing else looks `__main__` up meanwhile."""
-    main = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        sys.modules["__main__"] = main
+    while the child's start-up data is taken leaves it nothing to run. Starts from several threads
+    (none today: the launcher starts and restarts services from its own) take turns (`_MAIN_SWAP`),
+    so each puts back the real module; nothing of ours looks `__main__` up meanwhile."""
+    with _MAIN_SWAP:
+        main = sys.modules["__main__"]
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            yield
+        finally:
+            sys.modules["__main__"] = main
 
 
 def _run_service(argv: list[str], env: dict[str, str], log_path: str | None) -> None:

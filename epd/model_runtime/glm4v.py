@@ -53,8 +53,6 @@ from epd.model_runtime.qwen_text_layers import count_parameters, dims_of
 from epd.model_runtime.visual_placeholders import checked_visual_mask
 from epd.video.types import DecodedVideo
 
-STAGE_PARTS = {"encoder": {"vision"}, "prefill": {"language"}, "decode": {"language"}}
-
 
 class Glm4vAdapter(ClipResizeAdapter):
     """Loads only the parts a stage needs: "vision" (the tower with its downsample and merger)

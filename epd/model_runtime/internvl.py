@@ -55,8 +55,6 @@ from epd.video.types import DecodedVideo, FrameResize
 
 log = logging.getLogger(__name__)
 
-STAGE_PARTS = {"encoder": {"vision"}, "prefill": {"language"}, "decode": {"language"}}
-
 
 class InternVLAdapter(OneDimTextAdapter):
     """Loads only the parts a stage needs: "vision" (InternViT tower and projector) and/or

@@ -68,8 +68,6 @@ from epd.video.types import DecodedVideo, FrameResize, MediaError
 
 log = logging.getLogger(__name__)
 
-STAGE_PARTS = {"encoder": {"vision"}, "prefill": {"language"}, "decode": {"language"}}
-
 NEWLINE_KEY = "image_newline"
 
 

@@ -27,9 +27,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # model_type in config.json -> (module epd.model_runtime.<module>, its adapter class); a new family
-# is one entry here plus its file (which also defines STAGE_PARTS: the parts each stage loads). The
-# every-family tests take their families from here (tests/families.py's FAMILIES), so a new one
-# needs a tiny checkpoint (tiny_model.py's TINY_FAMILIES).
+# is one entry here plus its file. The every-family tests take their families from here
+# (tests/families.py's FAMILIES), so a new one needs a tiny checkpoint (tiny_model.py's TINY_FAMILIES).
 _FAMILIES = {
     "qwen2_vl": ("qwen2_vl", "Qwen2VLAdapter"),
     "qwen2_5_vl": ("qwen2_vl", "Qwen2VLAdapter"),
@@ -39,6 +38,15 @@ _FAMILIES = {
     "llava_onevision": ("llava_onevision", "LlavaOnevisionAdapter"),
     "glm4v": ("glm4v", "Glm4vAdapter"),
     "internvl": ("internvl", "InternVLAdapter"),
+}
+# The model parts each stage loads ("all": embedded mode's one model), the same for every family: the
+# encoder runs the vision tower, prefill and decode the language model. A family that ever splits
+# differently gets its own table here, looked up by model_type.
+_STAGE_PARTS: dict[str, frozenset[str]] = {
+    "encoder": frozenset({"vision"}),
+    "prefill": frozenset({"language"}),
+    "decode": frozenset({"language"}),
+    "all": frozenset({"vision", "language"}),
 }
 SUPPORTED = (
     "Qwen2-VL and Qwen2.5-VL checkpoints (model_type qwen2_vl or qwen2_5_vl) "
@@ -190,8 +198,7 @@ def load_adapter(config: ModelConfig, stage: str) -> VLMAdapter:
         log.info("loading %s (%s) for %s on %s", path, model_type, stage, config.device)
         module_name, class_name = _FAMILIES[model_type]
         module = importlib.import_module(f"epd.model_runtime.{module_name}")
-        parts = {"vision", "language"} if stage == "all" else module.STAGE_PARTS[stage]
-        adapter = getattr(module, class_name)(path, config, parts)
+        adapter = getattr(module, class_name)(path, config, set(_STAGE_PARTS[stage]))
     except ModelLoadError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever transformers/torch raise, the model cannot be served

@@ -36,8 +36,6 @@ from epd.video.types import DecodedVideo, FrameResize
 
 log = logging.getLogger(__name__)
 
-STAGE_PARTS = {"encoder": {"vision"}, "prefill": {"language"}, "decode": {"language"}}
-
 
 class Qwen2VLAdapter(QwenTextAdapter):
     """Loads only the parts a stage needs: "vision" (the vision tower) and/or "language"

@@ -89,8 +89,6 @@ from epd.model_runtime.thread_hooks import owner_thread_only
 
 log = logging.getLogger(__name__)
 
-STAGE_PARTS = {"encoder": {"vision"}, "prefill": {"language"}, "decode": {"language"}}
-
 PRUNING_REFUSED = (
     "Qwen3.5 (model_type qwen3_5) supports no token pruning yet: its Gated DeltaNet layers keep a "
     "recurrent state that cannot drop tokens, and the prefill drop, KV compression and decode "

@@ -68,8 +68,6 @@ from epd.video.types import DecodedVideo, FrameResize, MediaError
 
 log = logging.getLogger(__name__)
 
-STAGE_PARTS = {"encoder": {"vision"}, "prefill": {"language"}, "decode": {"language"}}
-
 
 class ClipResizeAdapter(HfTextAdapter):
     """A family whose video processor sizes every frame of a clip by Qwen3-VL's `smart_resize` of

@@ -32,9 +32,7 @@ from epd.model_runtime.hf_loading import (
     read_part,
     safetensors_files,
 )
-from epd.model_runtime.qwen3_vl import STAGE_PARTS, Qwen3VLAdapter
-
-__all__ = ["STAGE_PARTS", "Qwen3VLMoeAdapter"]
+from epd.model_runtime.qwen3_vl import Qwen3VLAdapter
 
 _EXPERT_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 

@@ -305,7 +305,7 @@ def test_serve_colocate_is_one_process_with_the_same_apis_and_answers(
     """`epd serve --colocate`: the front door and the three stages in one process, on the stack's
     ports; answers equal generate()'s; /metrics shows the three in-process cores, with the KV
     memory flags' budgets, and /v1/models lists --served-model-name. With --allocator system it stays on glibc's malloc (the default's
-    tcmalloc is tested with the stack above)."""
+    tcmalloc is tested with the stack above). Its stderr has no weights-loading bar, as the stack's has none."""
     import urllib.request
 
     import psutil
@@ -313,12 +313,14 @@ def test_serve_colocate_is_one_process_with_the_same_apis_and_answers(
     ports_file = tmp_path / "colocated.ports.json"
     env = child_env()
     env.pop("LD_PRELOAD", None)
-    serve = subprocess.Popen(
-        epd_command("serve", "--colocate", "--allocator", "system", "--model", str(tiny_models["qwen2_vl"]),
-                    "--gateway-port", "0", "--http-port", "auto", "--ports-file", str(ports_file), *MEMORY_FLAGS,
-                    "--served-model-name", SERVED_MODEL),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=ROOT,
-    )  # fmt: skip
+    stderr = tmp_path / "colocated.stderr"
+    with stderr.open("wb") as err:  # the child writes to its copy
+        serve = subprocess.Popen(
+            epd_command("serve", "--colocate", "--allocator", "system", "--model", str(tiny_models["qwen2_vl"]),
+                        "--gateway-port", "0", "--http-port", "auto", "--ports-file", str(ports_file), *MEMORY_FLAGS,
+                        "--served-model-name", SERVED_MODEL),
+            stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT,
+        )  # fmt: skip
     try:
         bound = bound_ports(ports_file, serve, "epd serve --colocate")
         grpc_port, http_port = bound["grpc"], bound["http"]
@@ -349,6 +351,7 @@ def test_serve_colocate_is_one_process_with_the_same_apis_and_answers(
         code = serve.wait(timeout=60)
     assert code == 0
     assert not is_serving(f"127.0.0.1:{grpc_port}", timeout_s=0.5)
+    assert "Loading weights" not in stderr.read_text(errors="replace")
 
 
 @pytest.mark.skipif(find_compiler() is None, reason="no C compiler (cc, gcc or $CC) to build its library")

@@ -10,10 +10,11 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+import threading
 
 import pytest
 
-from epd.cli.zygote import ServiceProcess, preload_modules
+from epd.cli.zygote import ServiceProcess, _no_main_for_the_child, preload_modules
 from epd.model_runtime.loader import _FAMILIES, family_module
 from tests.stack import ROOT, child_env
 
@@ -75,3 +76,29 @@ def test_the_preload_imports_no_grpc():
         [sys.executable, "-c", code], env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_starts_from_two_threads_put_the_real_main_back():
+    """`Zygote.start` swaps `sys.modules["__main__"]` for a bare module while it starts a child.
+    Two threads swapping at once, the second inside the first's swap and done after it, put back
+    the first's bare module for good: they take turns instead."""
+    real = sys.modules["__main__"]
+    inside, first_done = threading.Event(), threading.Event()
+
+    def second() -> None:
+        with _no_main_for_the_child():
+            inside.set()
+            first_done.wait(30)
+
+    thread = threading.Thread(target=second)
+    try:
+        with _no_main_for_the_child():
+            thread.start()
+            inside.wait(0.5)  # the second's swap, inside this one's if nothing makes it wait
+        first_done.set()
+        thread.join(30)
+        assert not thread.is_alive() and inside.is_set()
+        assert sys.modules["__main__"] is real
+    finally:
+        first_done.set()
+        sys.modules["__main__"] = real

@@ -1,7 +1,9 @@
 """Each stage loads only its part of the checkpoint (issue #22 item 3): the encoder reads only the
 vision tower's tensors, prefill and decode only the language model's, and what they load equals
 the whole model's weights. Both key layouts: the hub's (the shipped demo model) and the one
-transformers 5 writes (the tiny checkpoints)."""
+transformers 5 writes (the tiny checkpoints). The loader gives each stage its parts (one table for
+every family; the adapter tests' `load_stage_adapters` check each family's encoder and one language
+stage)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import torch
 from safetensors import safe_open
 
 from epd.model_runtime.config import ModelConfig
-from epd.model_runtime.hf_loading import language_key, safetensors_files, vision_key
+from epd.model_runtime.hf_loading import hide_transformers_bars, language_key, safetensors_files, vision_key
+from epd.model_runtime.loader import load_adapter
 from epd.model_runtime.qwen2_vl import Qwen2VLAdapter
 from epd.resources import demo_model_dir
 
@@ -69,3 +72,26 @@ def test_one_part_stages_load_exactly_the_whole_models_weights_of_their_part(tin
 def test_a_prompt_only_adapter_loads_no_weights(tiny_models):
     adapter = Qwen2VLAdapter(str(tiny_models["qwen2_vl"]), ModelConfig(), set())
     assert adapter.model is None and adapter.visual is None
+
+
+@pytest.mark.parametrize(
+    ("stage", "tower", "language"),
+    [("encoder", True, False), ("prefill", False, True), ("decode", False, True), ("all", True, True)],
+)
+def test_the_loader_gives_each_stage_its_parts(tiny_models, stage, tower, language):
+    adapter = load_adapter(ModelConfig(model=str(tiny_models["qwen2_vl"])), stage)
+    assert adapter.parts == ({"vision"} if tower else set()) | ({"language"} if language else set())
+    assert (adapter.visual is not None, adapter.model is not None) == (tower, language)
+
+
+def test_hidden_transformers_bars_leave_a_whole_model_load_silent(tiny_models, capfd):
+    """`epd serve --colocate` loads the whole model through transformers, which draws a "Loading
+    weights" bar on stderr unless told not to (the stack's one-part stages draw none)."""
+    from transformers.utils import logging as transformers_logging
+
+    hide_transformers_bars()
+    try:
+        Qwen2VLAdapter(str(tiny_models["qwen2_vl"]), ModelConfig(), {"vision", "language"})
+    finally:
+        transformers_logging.set_tqdm_hook(None)
+    assert "Loading weights" not in capfd.readouterr().err
