@@ -5,9 +5,11 @@ are framed as server-sent events by `epd.gateway.sse_stream.write_chat_events`.
 A stream, as vLLM's: per choice, its opening (chat's: the assistant's role and "" content, then
 with `echo` the echoed text in a chunk of its own); each token step's one chunk (chat's text
 parted into reasoning and content by the reasoning parser, the content read for tool calls by the
-choice's tool stream (hermes' steps with both `content` and `tool_calls`, null or [] when empty,
-as vLLM's hermes sets them), all the step's deltas in one, as vLLM's parsers give one DeltaMessage a
-step; a completion's with its logprobs' text offsets, its first step's text after the echoed
+choice's tool stream (hermes' steps with `content`, null beside calls, as vLLM's hermes sets it; no
+empty `tool_calls`, which vLLM's DeltaMessage leaves out), all the step's deltas in one, as vLLM's
+parsers give one DeltaMessage a step; with `include_reasoning` false under a parser, `reasoning`
+(and its alias `reasoning_content`) null on each delta a parser read that has content or calls, as
+vLLM's parser sets it; a completion's with its logprobs' text offsets, its first step's text after the echoed
 prompt with `echo`, the prompt's logprobs first), a step that says nothing (its text held back by
 a parser) making no chunk unless it carries logprobs or asked-for token ids; each choice's finish
 reason on the chunk of its final step (its parsers' held-back tails joined to it), sent as it
@@ -176,6 +178,8 @@ class ChatChunks:
                 delta = _tool_delta(
                     self.tooled[step.index], delta, step.text if split is None else split.content
                 )
+            if delta is not None and self.metadata_hidden:  # a parser read the step
+                delta = _reasoning_left_out(delta)
             # (a final step that says nothing still ends its choice: `_finish_choice`'s bare chunk)
             if delta != {} or logprobs is not None or self.token_ids_shown:
                 chunks.append(
@@ -268,14 +272,14 @@ class ChatChunks:
             reason = tool_finish_reason(chat.tool_choice, calls.num_calls, reason or "stop", streamed=True)
         if deltas and chunks:
             choice = chunks[-1]["choices"][0]
-            choice["delta"] = _tool_message(calls, joined_delta([choice["delta"], *deltas]), said)
+            choice["delta"] = self._parsed(calls, joined_delta([choice["delta"], *deltas]), said)
         elif deltas:
             chunks = [
                 chunk_body(
                     self.request_id,
                     chat.model,
                     self.created,
-                    _tool_message(calls, joined_delta(deltas), said),
+                    self._parsed(calls, joined_delta(deltas), said),
                     token_ids=self._ids([]),
                     index=index,
                 )
@@ -286,6 +290,14 @@ class ChatChunks:
         if details is not None:
             chunks[-1]["epd"] = details
         return chunks
+
+    def _parsed(
+        self, calls: ToolAnswerStream | None, delta: dict[str, Any], said: Sequence[dict]
+    ) -> dict[str, Any]:
+        """A final step's delta with its parsers' tails joined, as vLLM's parser writes it: the tool
+        parser's fields (`_tool_message`), and the reasoning's left out (`_reasoning_left_out`)."""
+        delta = _tool_message(calls, delta, said)
+        return _reasoning_left_out(delta) if self.metadata_hidden else delta
 
     def _framed(self, chunk: dict[str, Any]) -> dict[str, Any]:
         """`chunk` as it goes out (every chunk goes through here, once, in the order sent): with
@@ -387,13 +399,25 @@ def _tool_message(
     stream: ToolAnswerStream | None, delta: dict[str, Any], said: Sequence[dict]
 ) -> dict[str, Any]:
     """`delta`, a step's, as vLLM's tool parser writes it when the step's tool stream said
-    something (`said`): hermes' with `content` (null without text) first and `tool_calls` ([]
-    without calls) last, the reasoning fields between, vLLM's `DeltaMessage` field order
-    (`ToolAnswerStream.sets_content_and_calls`); as it is otherwise (no tool stream: None)."""
-    if stream is None or not said or not stream.sets_content_and_calls:
+    something (`said`): hermes' with `content` (null without text) first, vLLM's `DeltaMessage`
+    field order (`ToolAnswerStream.sets_content`); as it is otherwise (no tool stream: None)."""
+    if stream is None or not said or not stream.sets_content:
         return delta
-    rest = {k: v for k, v in delta.items() if k not in ("content", "tool_calls")}
-    return {"content": delta.get("content"), **rest, "tool_calls": delta.get("tool_calls", [])}
+    return {"content": delta.get("content"), **{k: v for k, v in delta.items() if k != "content"}}
+
+
+def _reasoning_left_out(delta: dict[str, Any]) -> dict[str, Any]:
+    """`delta`, one a parser read, with `include_reasoning` false: vLLM's parser sets the reasoning
+    of each delta it keeps, one with content or calls, to None (`Parser.parse_delta`,
+    `vllm/parser/abstract_parser.py` 00cd9d7, `vllm/parser/engine/parser_engine.py` 001ba1e), so
+    `model_dump_json(exclude_unset=True)` writes `"reasoning": null` after `content`, before
+    `tool_calls` (`DeltaMessage`'s field order); epd's alias `reasoning_content` with it. The
+    others it drops (here they hold nothing: their reasoning was never put in)."""
+    if not (delta.get("content") or delta.get("tool_calls")):
+        return delta
+    head = {"content": delta["content"]} if "content" in delta else {}
+    rest = {k: v for k, v in delta.items() if k not in ("content", "reasoning", "reasoning_content")}
+    return {**head, "reasoning": None, "reasoning_content": None, **rest}
 
 
 def joined_delta(deltas: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ STRUCTURED_FIELDS = ("response_format", "structured_outputs", *GUIDED_FIELDS)
 
 _CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
 _OPTIONS = ("disable_any_whitespace", "disable_fallback")
-_BOOL_OPTIONS = ("json_object", "disable_additional_properties")
+_BOOL_OPTIONS = ("disable_additional_properties",)
 _UNSUPPORTED_OPTIONS = {
     "structural_tag": "structural tags are not supported by this server",
     "whitespace_pattern": "a whitespace pattern is not supported; use disable_any_whitespace",
@@ -93,14 +93,16 @@ def _structured_object(value: Any) -> StructuredOutputs:
             '{"choice": [...]} or {"grammar": "..."}'
         )
     for key in value:
-        if key in _UNSUPPORTED_OPTIONS and _sent(key, value[key], (None, False, "")):
+        if key in _UNSUPPORTED_OPTIONS and _sent(key, value[key]):
             raise InvalidRequest(f"structured_outputs.{key}: {_UNSUPPORTED_OPTIONS[key]}")
         if key not in (*_CONSTRAINTS, *_OPTIONS, *_UNSUPPORTED_OPTIONS):
             raise InvalidRequest(
                 f"structured_outputs has an unknown field {shown_value(str(key))}; it takes one of "
                 f"{', '.join(_CONSTRAINTS)} and disable_any_whitespace"
             )
-    given = [key for key in _CONSTRAINTS if _sent(key, value.get(key), (None, False))]
+    # vLLM counts a constraint by `is not None` (`StructuredOutputsParams.__post_init__`), so
+    # json_object false is one too: beside another, vLLM's 400 for two
+    given = [key for key in _CONSTRAINTS if value.get(key) is not None]
     if len(given) != 1:
         raise InvalidRequest(
             f"structured_outputs takes exactly one of {', '.join(_CONSTRAINTS)}; got "
@@ -121,20 +123,29 @@ def _structured_object(value: Any) -> StructuredOutputs:
     )
 
 
-def _sent(key: str, value: Any, nothing: tuple[Any, ...]) -> bool:
-    """structured_outputs[key] asks for something: not one of `nothing`; vLLM's bool options
-    (json_object, disable_additional_properties) not false as vLLM reads a bool ("false", 0 too:
-    `lax_value`)."""
+def _sent(key: str, value: Any) -> bool:
+    """structured_outputs[key], an option this server lacks, asks for something: not null, false
+    nor ""; vLLM's bool option (disable_additional_properties) not false as vLLM reads a bool
+    ("false", 0 too: `lax_value`)."""
     if key in _BOOL_OPTIONS:
         return value is not None and lax_value(value, bool) is not False
-    return value not in nothing
+    return value not in (None, False, "")
 
 
 def _constraint(kind: str, value: Any, label: str) -> StructuredOutputs:
     if kind == "json":
         return StructuredOutputs(json_schema=_schema_text(value, label))
     if kind == "json_object":
-        if lax_value(value, bool) is not True:
+        flag = lax_value(value, bool)
+        if flag is False:
+            # vLLM takes it as the request's one constraint, then finds none to compile
+            # (`get_structured_output_key`: "No valid structured output parameter found"): an
+            # error from its engine, not an answer
+            raise InvalidRequest(
+                f"'{label}' is false, which asks for no constraint; send true for any JSON object, "
+                "or leave structured_outputs out for none"
+            )
+        if flag is not True:
             raise InvalidRequest(f"'{label}' must be true, got {shown_value(value)}")
         return StructuredOutputs(json_object=True)
     if kind == "choice":

@@ -54,9 +54,9 @@ def _stream(port: int, body: dict) -> list[dict]:
 
 def _joined(chunks: list[dict], name: str, index: int = 0) -> str | None:
     """One field of choice `index`'s deltas joined (its role chunk's empty content aside); None: no
-    delta had it."""
+    delta had it but null (`include_reasoning` false writes `"reasoning": null`, as vLLM's)."""
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
-    parts = [delta[name] for delta in deltas[1:] if name in delta]
+    parts = [delta[name] for delta in deltas[1:] if delta.get(name) is not None]
     return "".join(parts) if parts else None
 
 
@@ -192,6 +192,9 @@ def test_the_stack_parts_a_thinking_answer_into_reasoning_and_content(qwen3_5, t
         )
         chunks = _stream(port, left_out)
         assert (_joined(chunks, "reasoning"), _joined(chunks, "content")) == (None, content)
+        # vLLM's parser sets each kept delta's reasoning to None: null beside every content delta
+        said = [c["choices"][0]["delta"] for c in chunks[1:] if c["choices"] and c["choices"][0]["delta"]]
+        assert said and all("reasoning" in d and d["reasoning"] is None for d in said), said
         assert all(c["choices"][0]["logprobs"] is None for c in chunks if c["choices"])  # content's too
 
         # Cut by max_tokens inside the block: all reasoning, content null.

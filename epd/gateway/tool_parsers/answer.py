@@ -102,12 +102,17 @@ class ToolAnswerStream:
         self._skipping = False  # the streamed call is past the first, without parallel_tool_calls
 
     @property
-    def sets_content_and_calls(self) -> bool:
-        """Whether a step's delta that this stream says something in carries both `content` and
-        `tool_calls` (null, [] when it has none): vLLM's hermes ("auto") makes each step's
-        `DeltaMessage(content=content, tool_calls=tool_call_deltas)`, both fields set, so written by
-        `model_dump_json(exclude_unset=True)` (`vllm/tool_parsers/hermes_tool_parser.py`, 02bb669);
-        its named and "required" streams (`DeltaMessage(tool_calls=...)`) set no content."""
+    def sets_content(self) -> bool:
+        """Whether a step's delta that this stream says something in carries `content`, null beside
+        calls: vLLM's hermes ("auto") makes each step's `DeltaMessage(content=content,
+        tool_calls=tool_call_deltas)`, content set, so written by `model_dump_json(exclude_unset=True)`
+        (`vllm/tool_parsers/hermes_tool_parser.py`, 02bb669); an empty `tool_calls` is not written
+        (`DeltaMessage`'s serializer drops it, vLLM PR #44105:
+        `vllm/entrypoints/generate/base/protocol.py`, 567b35a). Its qwen3_coder (the parser engine's
+        `DeltaMessage(**kwargs)` of the fields it has, `vllm/parser/engine/parser_engine.py`,
+        001ba1e; the older `Qwen3CoderToolParser`'s `DeltaMessage(content=...)` or
+        `DeltaMessage(tool_calls=...)`, `vllm/tool_parsers/qwen3coder_tool_parser.py`, 00d0a33) and
+        its named and "required" streams (`DeltaMessage(tool_calls=...)`) set only what they have."""
         return self.choice.mode == "auto" and self.choice.parser == "hermes"
 
     def add(self, text: str) -> list[dict[str, Any]]:

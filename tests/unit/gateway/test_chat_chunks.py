@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 from epd.gateway.ask_types import AskSummary, ChoiceSummary, PromptLogprobs
 from epd.gateway.chat_answer import completion_body
@@ -26,8 +27,9 @@ USER = {"role": "user", "content": "name a colour"}
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
 
-def _chat(thinking: bool | None = None, **body) -> ChatChunks:
-    """A chat stream's chunks; `thinking` not None: under a reasoning parser, thinking or not."""
+def _chat(thinking: bool | None = None, tool_call_parser: str = "hermes", **body) -> ChatChunks:
+    """A chat stream's chunks; `thinking` not None: under a reasoning parser, thinking or not;
+    `tool_call_parser`: the server's, reading "auto"'s calls."""
     chat = parse_chat_request(
         {"model": "epd", "messages": [USER], "stream": True, **body},
         "epd",
@@ -35,6 +37,7 @@ def _chat(thinking: bool | None = None, **body) -> ChatChunks:
         GenerationConfig(),
     )
     chat.parser_on = thinking is not None  # as the front door sets it under a reasoning parser
+    chat.tool_choice = replace(chat.tool_choice, parser=tool_call_parser)  # as the front door
     return ChatChunks(chat, "req-1", thinking, created=7)
 
 
@@ -245,15 +248,15 @@ def test_a_hermes_calls_header_chunk_always_carries_its_arguments_start():
 def test_a_final_steps_held_back_tail_joins_its_chunk():
     """A choice's final step and the text its parsers gave back at the end (here a `<tool_call>`
     block cut by max_tokens before its name: content) are one chunk with the finish reason, as
-    vLLM's last step is one chunk (they were two). Hermes' deltas carry `tool_calls` [] beside
-    text, as vLLM's hermes sets both fields."""
+    vLLM's last step is one chunk (they were two). Hermes' deltas of text carry no `tool_calls`:
+    vLLM's hermes sets it to [], which its DeltaMessage leaves out (vLLM PR #44105)."""
     chunks = _chat(tools=[TOOL])
     made = chunks.add(TokenStep([5], "Let me")) + chunks.add(TokenStep([6], " check <tool_", "length"))
     text = "Let me check <tool_"
     made += chunks.finish(_summary(text, [5, 6], [ChoiceSummary(0, text, [5, 6], "length")]))
     assert [(c["choices"][0]["delta"], c["choices"][0]["finish_reason"]) for c in made] == [
-        ({"content": "Let me", "tool_calls": []}, None),
-        ({"content": " check <tool_", "tool_calls": []}, "length"),
+        ({"content": "Let me"}, None),
+        ({"content": " check <tool_"}, "length"),
     ]
 
 
@@ -311,9 +314,65 @@ def test_no_logprobs_with_the_reasoning_left_out_whole_or_streamed():
         return body["choices"][0]["logprobs"]
 
     assert [lp is not None for _, lp in streamed(True)] == [True, True, True]
-    assert streamed(False) == [({"content": "red"}, None)]  # the marker's step says nothing
+    # the marker's step says nothing; the content's has vLLM's null reasoning
+    assert streamed(False) == [({"content": "red", "reasoning": None, "reasoning_content": None}, None)]
     assert [e["token"] for e in whole(True)["content"]] == ["plan", "</think>", "red"]
     assert whole(False) is None
+
+
+def test_the_reasoning_left_out_is_null_on_each_delta_a_parser_keeps_and_on_the_message():
+    """`include_reasoning` false: vLLM's parser sets the reasoning of each delta it keeps (one with
+    content or calls) to None, which `exclude_unset` writes as `"reasoning": null` after `content`
+    (epd's alias `reasoning_content` with it); a delta of reasoning alone it drops; the whole
+    message's is null (vLLM's `ChatMessage(reasoning=None)`). Kept, there is no null."""
+    null = {"reasoning": None, "reasoning_content": None}
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    texts = ["plan", "</think>Sure.", call]
+
+    def deltas(include_reasoning: bool, **body) -> list[dict]:
+        chunks = _chat(True, include_reasoning=include_reasoning, **body)
+        made = [c for i, text in enumerate(texts) for c in chunks.add(TokenStep([i], text))]
+        made += chunks.finish(_summary("".join(texts), [0, 1, 2]))
+        return [c["choices"][0]["delta"] for c in made]
+
+    plain = deltas(False)
+    assert plain[0] == {"content": "Sure.", **null} and plain[1] == {"content": call, **null}
+    hermes = deltas(False, tools=[TOOL])  # hermes: content null beside the call, as vLLM's
+    assert hermes[0] == {"content": "Sure.", **null} and list(hermes[1]) == ["content", *null, "tool_calls"]
+    assert hermes[1]["content"] is None and hermes[1]["tool_calls"][0]["function"]["name"] == "get_weather"
+    kept = deltas(True, tools=[TOOL])
+    assert kept[0] == {"reasoning": "plan", "reasoning_content": "plan"}
+    assert all("reasoning" not in d for d in kept[1:])
+    steps = [TokenStep([i], text) for i, text in enumerate(texts)]
+    body = completion_body(
+        _summary("".join(texts), [0, 1, 2]),
+        "epd",
+        thinking=True,
+        include_reasoning=False,
+        parser_on=True,
+        steps=steps,
+    )
+    message = body["choices"][0]["message"]
+    assert "reasoning" in message and (message["reasoning"], message["reasoning_content"]) == (None, None)
+
+
+def test_a_qwen3_coder_delta_holds_only_what_it_says_a_hermes_delta_its_content_too():
+    """vLLM's qwen3_coder (the parser engine's `DeltaMessage(**kwargs)`) sets only the fields a
+    step has: text alone, or calls alone. Its hermes sets `content` on each delta, null beside
+    calls, and `tool_calls` too, which vLLM's DeltaMessage leaves out when empty (PR #44105): no
+    `"tool_calls": []` beside text from either."""
+    qwen = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+    hermes = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    for parser, call in (("qwen3_coder", qwen), ("hermes", hermes)):
+        chunks = _chat(tools=[TOOL], tool_call_parser=parser)
+        made = chunks.add(TokenStep([5], "Let me check.")) + chunks.add(TokenStep([6], call, "stop"))
+        made += chunks.finish(_summary("Let me check." + call, [5, 6]))
+        text, called = [c["choices"][0]["delta"] for c in made]
+        assert text == {"content": "Let me check."}, parser
+        assert list(called) == (["tool_calls"] if parser == "qwen3_coder" else ["content", "tool_calls"]), (
+            parser
+        )
+        assert json.loads(called["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
 
 
 def test_a_step_a_parser_holds_back_makes_no_chunk_unless_it_carries_ids_or_logprobs():

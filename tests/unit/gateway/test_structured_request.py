@@ -39,7 +39,7 @@ def structured(**fields):
     # vLLM's bools, read as its pydantic reads them: "yes" and 1 are true, "no" and 0 false
     ({"structured_outputs": {"json_object": "yes", "disable_any_whitespace": 1}},
      StructuredOutputs(json_object=True, disable_any_whitespace=True)),
-    ({"structured_outputs": {"regex": "a", "json_object": "no", "disable_additional_properties": "false"}},
+    ({"structured_outputs": {"regex": "a", "json_object": None, "disable_additional_properties": "false"}},
      StructuredOutputs(regex="a")),
     ({"structured_outputs": {"choice": ["red", "blue"]}}, StructuredOutputs(choice=("red", "blue"))),
     ({"structured_outputs": {"grammar": 'root ::= "a"'}}, StructuredOutputs(grammar='root ::= "a"')),
@@ -67,6 +67,11 @@ def test_legacy_completions_read_them_too():
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "whitespace_pattern"),
     ({"structured_outputs": {"regx": "a"}}, "unknown field 'regx'"),
     ({"structured_outputs": {"json_object": "maybe"}}, "'structured_outputs.json_object' must be true, got 'maybe'"),
+    # vLLM counts a constraint by `is not None`: json_object false is one (two with a regex: its
+    # 400), alone one that asks for nothing, which vLLM's engine then fails on
+    ({"structured_outputs": {"regex": "a", "json_object": "no"}}, "exactly one of json, json_object, regex.*; got json_object, regex"),
+    ({"structured_outputs": {"json_object": False}}, "is false, which asks for no constraint; send true"),
+    ({"structured_outputs": {"json_object": 0, "disable_any_whitespace": True}}, "or leave structured_outputs out"),
     ({"structured_outputs": {"regex": "a", "disable_additional_properties": "on"}}, "disable_additional_properties"),
     ({"structured_outputs": "json"}, "'structured_outputs' must be an object"),
     ({"response_format": {"type": "xml"}}, 'response_format.type must be "text", "json_object" or "json_schema"'),
