@@ -1,7 +1,8 @@
 """`epd serve --colocate` (epd/cli/serve.py): the front door and its embedded stages in one process,
 with the gateway's defaults and the close deadline it is given. The rest of `epd serve` before it
-starts anything: tests/unit/cli/test_serve_flags.py, test_stack_commands.py, test_stack_security.py,
-test_launcher.py and tests/unit/runtime/test_model_check.py (the real processes are in
+starts anything: tests/unit/cli/test_serve_flags.py, test_stack_ports.py, test_stack_service_flags.py,
+test_stack_stage_flags.py, test_stack_gateway_flags.py, test_stack_security.py, test_launcher.py and
+tests/unit/runtime/test_model_check.py (the real processes are in
 tests/integration/test_lifecycle.py)."""
 
 from __future__ import annotations

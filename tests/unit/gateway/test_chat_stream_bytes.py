@@ -2,8 +2,8 @@
 as a real HttpApi over real sockets sends it, its pipeline a script of the events a real one
 emits (prefill's event, the prompt's logprobs and token ids, token steps of n choices, the summary). Only
 `created` (the clock's second) is blanked. The chunk shapes are vLLM's and are asserted field by
-field elsewhere (test_http_app.py, tests/integration/test_completions.py, test_n_choices.py, ...);
-this pins their exact order and spelling, so that moving the stream's code changes no byte."""
+field elsewhere (test_http_streams.py, test_http_token_ids.py, tests/integration/test_completions.py,
+test_n_choices.py, ...); this pins their exact order and spelling, so that moving the stream's code changes no byte."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """An error's HTTP status and OpenAI error body (`epd.gateway.http_errors`): the gRPC status a
 domain error maps to, as vLLM's OpenAI server answers it; a refusal for load (429, retry) apart
-from a limit (413, send less), whether the gateway or a stage refused."""
+from a limit (413, send less), whether the gateway or a stage refused; through the front door, a
+model that cannot load is a 500 whose path stays in the server log."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import pytest
 
 from epd.gateway.http_body import BodyTimedOut
 from epd.gateway.http_errors import error_body, http_error_of, http_status_of
+from epd.gateway.pipeline import Pipeline
 from epd.model_runtime.sampling import ConstraintBusy
 from epd.stages.errors import Busy, DeadlineExceeded, ResourceExhausted
 from epd.transport.errors import UpstreamError
+from tests.unit.gateway.scripted_http import STREAM_BODY, _post_chat
 
 
 def test_http_status_of():
@@ -59,3 +62,33 @@ def test_error_body_is_vllms_with_the_http_status_as_an_integer_code():
     assert error_body("send less", "request_too_large", 413) == {
         "error": {"message": "send less", "type": "request_too_large", "param": None, "code": 413}
     }
+
+
+class _ModelLoadFailsPipeline(Pipeline):
+    """An embedded front door whose model cannot be loaded (`ModelLoadError`)."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None, None)  # type: ignore[arg-type]  # no stage: ask is the fake's
+
+    async def ask(self, req):  # type: ignore[override]
+        from epd.model_runtime.loader import ModelLoadError
+
+        raise ModelLoadError("/models/m", "model.safetensors is truncated or corrupt")
+        yield
+
+
+def test_a_model_that_cannot_load_is_a_500_not_the_clients_400_and_its_path_stays_in_the_log(caplog):
+    """FAILED_PRECONDITION (gRPC's code for it) was mapped to 400 invalid_request_error, telling the
+    client to change a request that nothing in it could fix; vLLM answers 500 for an engine that
+    failed. Streamed or not, before any token. The error's own message, which names the model's
+    local path, reached the client with it: it goes to the server log now."""
+    import json
+
+    body = {**STREAM_BODY, "stream": False}
+    for sent in (body, STREAM_BODY):
+        caplog.clear()
+        error = json.loads(_post_chat(_ModelLoadFailsPipeline(), sent))["error"]
+        assert (error["code"], error["type"]) == (500, "server_error"), error
+        assert error["message"].startswith("the server cannot load its model; its operator must fix it")
+        assert "/models/m" not in error["message"] and "safetensors" not in error["message"]
+        assert "cannot load /models/m: model.safetensors is truncated or corrupt" in caplog.text

@@ -451,3 +451,14 @@ def test_a_worker_that_fails_to_start_fails_the_pool_instead_of_hanging_it():
     builder.join(HANG_GUARD_S)
     assert not builder.is_alive(), "the constructor waited for a worker that had died"
     assert len(raised) == 1 and "a model thread failed to start: OSError" in str(raised[0])
+
+
+def test_model_thread_call_runs_there_and_refuses_to_wait_on_itself():
+    thread = ModelThread()
+    try:
+        name = thread.call(lambda: threading.current_thread().name)
+        assert name.startswith("model")
+        with pytest.raises(RuntimeError, match="would wait forever"):
+            thread.call(thread.call, lambda: None)
+    finally:
+        thread.close()

@@ -2,7 +2,8 @@
 wait for a thread, and the next request is refused with ResourceExhausted before any of its
 work starts; slots come back when drivers return, however they end.
 
-(tests/unit/test_stage_plumbing.py covers 1 running + 1 waiting and cancelling a waiter.)
+(test_request_pool_bounds_running_and_waiting_and_names_the_flags covers 1 running + 1 waiting
+and cancelling a waiter.)
 """
 
 from __future__ import annotations
@@ -147,3 +148,35 @@ def test_a_cancelled_running_driver_is_told_and_keeps_its_slot_until_it_returns(
 def test_impossible_limits_are_refused(max_running, max_waiting):
     with pytest.raises(ValueError, match="max_running must be >= 1"):
         RequestPool(max_running, max_waiting, lambda r, w: "")
+
+
+def test_request_pool_bounds_running_and_waiting_and_names_the_flags():
+    pool = RequestPool(1, 1, lambda running, waiting: f"{running} running, {waiting} waiting: raise --max-x")
+    release = threading.Event()
+    ran: list[str] = []
+
+    def driver(name: str):
+        def drive(cancel: threading.Event) -> str:
+            ran.append(name)
+            assert release.wait(HANG_GUARD_S)
+            return name
+
+        return drive
+
+    async def scenario():
+        first = asyncio.ensure_future(pool.run(driver("first")))
+        waiting = asyncio.ensure_future(pool.run(driver("waiting")))
+        await asyncio.sleep(0)  # both admitted
+        with pytest.raises(ResourceExhausted, match="1 running, 1 waiting: raise --max-x"):
+            await pool.run(driver("refused"))
+        waiting.cancel()  # its client went away while it waited: it never runs
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        release.set()
+        assert await first == "first"
+        assert await pool.run(driver("after")) == "after"
+
+    asyncio.run(scenario())
+    assert ran == ["first", "after"]
+    assert pool.num_admitted == 0 and pool.num_cancelled == 1
+    pool.close()

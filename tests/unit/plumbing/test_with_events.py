@@ -132,3 +132,61 @@ def test_the_consumer_raising_mid_stream_cancels_the_call():
     with pytest.raises(KeyError, match="consumer bug"):
         _run(scenario())
     assert cancelled == [True]
+
+
+async def _reporting_call(cancelled: asyncio.Event, emit) -> str:
+    emit("first")
+    try:
+        await asyncio.Event().wait()  # works until it is cancelled
+    except asyncio.CancelledError:
+        cancelled.set()
+        raise
+    return "never"
+
+
+@pytest.mark.parametrize("how", ["stream_closed", "consumer_cancelled", "consumer_task_ended"])
+def test_with_events_cancels_its_call_however_the_consumer_leaves(how):
+    async def scenario():
+        cancelled, got_first = asyncio.Event(), asyncio.Event()
+        stream = with_events(lambda emit: _reporting_call(cancelled, emit))
+        kept: list[object] = [stream]  # an unclosed stream stays referenced: no GC rescue
+
+        async def consume():
+            async for item in stream:
+                assert item == "first"
+                got_first.set()
+                if how == "consumer_task_ended":
+                    return  # leaves without closing the stream
+                if how == "stream_closed":
+                    break
+                # consumer_cancelled: read on; the next read waits inside the stream
+            await stream.aclose()
+
+        consumer = asyncio.ensure_future(consume())
+        await got_first.wait()  # the consumer runs on until its next wait before we resume
+        if how == "consumer_cancelled":
+            consumer.cancel()
+        await asyncio.gather(consumer, return_exceptions=True)
+        await asyncio.wait_for(cancelled.wait(), HANG_GUARD_S)
+        return kept
+
+    asyncio.run(scenario())
+
+
+def test_with_events_yields_the_result_and_raises_the_calls_error():
+    async def ok(emit):
+        emit(1)
+        emit(2)
+        return "done"
+
+    async def failing(emit):
+        emit(1)
+        raise InvalidRequest("bad")
+
+    async def collect(call):
+        return [item async for item in with_events(call)]
+
+    items = asyncio.run(collect(ok))
+    assert items[:2] == [1, 2] and isinstance(items[2], Finished) and items[2].value == "done"
+    with pytest.raises(InvalidRequest, match="bad"):
+        asyncio.run(collect(failing))

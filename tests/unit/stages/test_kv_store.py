@@ -7,7 +7,7 @@ import torch
 
 from epd.model_runtime.kv_cache import KvCache
 from epd.prefill_svc.kv_store import KvStore, KvStoreStats
-from epd.stages.errors import Busy, NotFound
+from epd.stages.errors import Busy, InvalidRequest, NotFound
 
 
 def _cache(num_tokens: int = 3) -> KvCache:
@@ -120,3 +120,29 @@ def test_stats_count_the_caches_refused_for_want_of_room():
         with pytest.raises(Busy, match="limit"):
             store.put(_cache())
     assert store.stats() == KvStoreStats(2, 2 * size, 2 * size, 0, 0, num_refused=3)
+
+
+def test_kv_store_release_is_idempotent():
+    from epd.model_runtime.kv_cache import KvCache
+
+    k = torch.zeros(1, 2, 3, 4)
+    store = KvStore(max_bytes=10_000, ttl_s=10)
+    handle = store.put(KvCache([k, k.clone()], [k.clone(), k.clone()]))
+    assert store.release(handle) is True
+    assert (len(store), store.num_bytes, store.num_released) == (0, 0, 1)
+    assert store.release(handle) is False and store.release("unknown") is False
+
+
+def test_a_callers_kv_handle_must_be_a_new_random_id():
+    from epd.model_runtime.kv_cache import KvCache
+    from epd.prefill_svc.kv_store import check_handle
+
+    assert check_handle("") == "" and check_handle("ab" * 16) == "ab" * 16
+    for bad in ("x", "AB" * 16, "ab" * 17, "../" * 11):
+        with pytest.raises(InvalidRequest, match="32 lowercase hex digits"):
+            check_handle(bad)
+    store = KvStore(max_bytes=10_000, ttl_s=10)
+    k = torch.zeros(1, 2, 3, 4)
+    assert store.put(KvCache([k], [k.clone()]), "ab" * 16) == "ab" * 16
+    with pytest.raises(InvalidRequest, match="already names a stored KV cache"):
+        store.put(KvCache([k], [k.clone()]), "ab" * 16)
