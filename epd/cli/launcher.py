@@ -314,7 +314,8 @@ def _restart(slot: _Slot, start: Callable[[_Slot], Service], now: float, replica
 
 
 def _write_replicas(path: str, slots: list[_Slot]) -> None:
-    """The gateway's replica file (`--replicas-file`): each stage's replicas' addresses, as now."""
+    """The gateway's replica file (`--replicas-file`): each stage's replicas' addresses, as now,
+    replaced whole as a ports file is (the gateway never reads half of it)."""
     write_ports_file(path, {role: [s.address for s in slots if s.role == role] for role in MODEL_ROLES})
 
 
