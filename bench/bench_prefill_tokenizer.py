@@ -42,6 +42,7 @@ import copy
 import ctypes
 import ctypes.util
 import gc
+import json
 import os
 import random
 import shutil
@@ -56,7 +57,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import free_port  # noqa: E402
+from bench.common import free_port, takes_ports_file  # noqa: E402
 
 QWEN2_NUM_MERGES = 151_387  # Qwen2's tokenizer.json: 256 byte symbols + 151,387 merges = 151,643 tokens
 QWEN2_VL_VOCAB = 151_936  # Qwen2-VL's config.json vocab_size (embedding rows)
@@ -192,15 +193,22 @@ def prefill_once(root: Path, model: Path, num_rpcs: int, timeout_s: float) -> di
     """Launch -> SERVING seconds, then PSS/RSS idle and after `num_rpcs` Tokenize calls."""
     from epd.bench.bench_faults import is_serving  # bench/ sits below the CLI: not epd.cli.health
 
-    port = free_port()
-    cmd = [sys.executable, "-m", "epd.cli.main", "serve", "prefill", "--port", str(port), "--model", str(model),
+    # The port it binds itself, from its --ports-file; one picked here for a revision from before it.
+    ports_file = Path(tempfile.mkdtemp(prefix="epd-tokenizer-ports-")) / "ports.json"
+    port = 0 if takes_ports_file(root, "prefill") else free_port()
+    ports = ["--port", str(port), *(["--ports-file", str(ports_file)] if port == 0 else [])]
+    cmd = [sys.executable, "-m", "epd.cli.main", "serve", "prefill", *ports, "--model", str(model),
            "--num-threads", "1", "--insecure-no-internal-auth"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        address = f"127.0.0.1:{port}"
-        while not is_serving(address, timeout_s=1.0):
+        address = f"127.0.0.1:{port}" if port else ""
+        while True:
+            if not address and ports_file.exists():  # it has bound (a stage does before it loads)
+                address = f"127.0.0.1:{json.loads(ports_file.read_text())['grpc']}"
+            if address and is_serving(address, timeout_s=1.0):
+                break
             if proc.poll() is not None or time.perf_counter() - t0 > timeout_s:
                 proc.kill()  # reading stderr of one still running would wait for it to exit
                 _, stderr = proc.communicate()
@@ -220,6 +228,7 @@ def prefill_once(root: Path, model: Path, num_rpcs: int, timeout_s: float) -> di
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        shutil.rmtree(ports_file.parent, ignore_errors=True)
 
 
 def process_part(model: Path, args) -> None:

@@ -2,7 +2,9 @@
 
     python bench/bench_startup.py --runs 3 [--model DIR] [--media image|video] [--baseline-rev REV]
 
-Per run, each server is started fresh on free ports and one fixed question (greedy, 8 tokens) is
+Per run, each server is started fresh on free ports (epd's bound by each service itself and read
+from `--ports-file`; a revision from before it and `transformers serve` are given ports picked
+here) and one fixed question (greedy, 8 tokens) is
 sent to its OpenAI-compatible /v1/chat/completions every 50 ms until it answers 200:
   epd           `epd serve` (the launcher, three stages and the gateway with its HTTP API); the
                 media goes as a `data:` URL;
@@ -36,12 +38,13 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import free_port, stop  # noqa: E402
+from bench.common import epd_port_flags, free_port, stop, takes_ports_file  # noqa: E402
 from epd.resources import demo_model_dir, shipped  # noqa: E402
 
 QUESTION = "what colour is the circle?"
@@ -77,14 +80,18 @@ def chat_body(model: str, media_url: str, kind: str) -> bytes:
 
 
 def first_answer(
-    proc: subprocess.Popen, url: str, body: bytes, timeout_s: float, t0: float
+    proc: subprocess.Popen, url: Callable[[], str | None], body: bytes, timeout_s: float, t0: float
 ) -> tuple[float, str]:
-    """Polls until a 200 answer: (seconds since t0, the answer's text)."""
-    last = ""
+    """Polls until a 200 answer: (seconds since t0, the answer's text). `url`: None while the
+    server has not said where it listens (`epd serve`'s ports file)."""
+    last = "its ports file not written"
     while time.perf_counter() - t0 < timeout_s:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode} before answering ({last})")
-        request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+        if (address := url()) is None:
+            time.sleep(POLL_S)
+            continue
+        request = urllib.request.Request(address, body, {"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=max(1.0, timeout_s)) as response:
                 text = json.loads(response.read())["choices"][0]["message"]["content"]
@@ -98,7 +105,7 @@ def first_answer(
 
 
 def run_server(
-    cmd: list[str], url: str, body: bytes, timeout_s: float, cwd: Path, env: dict
+    cmd: list[str], url: Callable[[], str | None], body: bytes, timeout_s: float, cwd: Path, env: dict
 ) -> tuple[float, str]:
     t0 = time.perf_counter()
     proc = subprocess.Popen(
@@ -111,34 +118,28 @@ def run_server(
 
 
 def epd_once(root: Path, model: str, kind: str, timeout_s: float) -> tuple[float, str]:
-    ports = {name: free_port() for name in ("gateway", "encoder", "prefill", "decode", "http")}
-    cmd = [
-        sys.executable,
-        "-m",
-        "epd.cli.main",
-        "serve",
-        "--model",
-        model,
-        "--num-threads",
-        "1",
-        "--gateway-port",
-        str(ports["gateway"]),
-        "--encoder-port",
-        str(ports["encoder"]),
-        "--prefill-port",
-        str(ports["prefill"]),
-        "--decode-port",
-        str(ports["decode"]),
-        "--http-port",
-        str(ports["http"]),
-    ]
+    """`epd serve` of the tree at `root` on ports it binds itself, read from its --ports-file once
+    it is ready; on free ports picked here for a revision from before --ports-file."""
+    ports_file = Path(tempfile.mkdtemp(prefix="epd-startup-ports-")) / "ports.json"
+    if takes_ports_file(root):
+        port_flags, http_port = epd_port_flags(ports_file), None
+    else:
+        ports = {name: free_port() for name in ("gateway", "encoder", "prefill", "decode", "http")}
+        port_flags, http_port = [f"--{name}-port={port}" for name, port in ports.items()], ports["http"]
+
+    def url() -> str | None:
+        port = http_port or (json.loads(ports_file.read_text())["http"] if ports_file.exists() else None)
+        return None if port is None else f"http://127.0.0.1:{port}/v1/chat/completions"
+
+    cmd = [sys.executable, "-m", "epd.cli.main", "serve", "--model", model, "--num-threads", "1", *port_flags]
     data = base64.b64encode(media_path(kind).read_bytes()).decode()
     mime = "video/mp4" if kind == "video" else "image/png"
     body = chat_body("epd", f"data:{mime};base64,{data}", kind)
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    return run_server(
-        cmd, f"http://127.0.0.1:{ports['http']}/v1/chat/completions", body, timeout_s, root, env
-    )
+    try:
+        return run_server(cmd, url, body, timeout_s, root, env)
+    finally:
+        shutil.rmtree(ports_file.parent, ignore_errors=True)
 
 
 def transformers_once(model: str, kind: str, timeout_s: float) -> tuple[float, str]:
@@ -147,7 +148,8 @@ def transformers_once(model: str, kind: str, timeout_s: float) -> tuple[float, s
     cmd = [str(exe), "serve", model, "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
     body = chat_body(model, str(media_path(kind)), kind)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return run_server(cmd, f"http://127.0.0.1:{port}/v1/chat/completions", body, timeout_s, REPO, env)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    return run_server(cmd, lambda: url, body, timeout_s, REPO, env)
 
 
 def import_time_us(root: Path, module: str, repeats: int = 3) -> tuple[float, bool]:

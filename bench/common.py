@@ -1,5 +1,6 @@
 """What the bench scripts share: a timestamped log line, the ports of an `epd serve` that binds
-port 0 (`epd_port_flags`, `bound_ports`) or a free port for a server that cannot (`free_port`),
+port 0 (`epd_port_flags`, `bound_ports`) or a free port for a server that cannot (`free_port`: an
+older revision's, `takes_ports_file`),
 stopping a server's process group (`stop`), bench/bench_pruning.py's 27M Qwen2-VL (`build_model`),
 synthetic clips (`make_clips`), and for an `epd serve` the bench starts itself: its command line
 (`server_command`), the wait until it serves (`wait_ready`) and one streaming chat request (`ask`,
@@ -11,6 +12,7 @@ inside the function or runs in a child process."""
 from __future__ import annotations
 
 import base64
+import functools
 import http.client
 import json
 import os
@@ -36,6 +38,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@functools.cache
+def takes_ports_file(root: Path, role: str = "") -> bool:
+    """Whether `epd serve [ROLE]` of the tree at `root` takes --ports-file: a bench that also runs
+    an older revision (`git archive REV`) from before it gives that one ports picked with `free_port`."""
+    command = [sys.executable, "-m", "epd.cli.main", "serve", *([role] if role else []), "--help"]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    shown = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, check=True)
+    return "--ports-file" in shown.stdout
 
 
 def epd_port_flags(ports_file: Path, stages: bool = True) -> list[str]:

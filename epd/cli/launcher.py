@@ -16,6 +16,7 @@ epd/cli/stack_commands.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from epd.cli.flags.arg_types import ANY_FREE_PORT
 from epd.cli.health import health_answer, is_serving
+from epd.cli.port_holder import port_holder, port_taken
 from epd.cli.process_exit import EXIT_FAILED, EXIT_MODEL, EXIT_OK, EXIT_USAGE
 from epd.cli.stack_commands import (
     COMMAND_PREFIX_WORDS,
@@ -77,6 +79,7 @@ LAUNCHER_PID_ENV = "EPD_LAUNCHER_PID"  # set for the stack's gateway: the pid it
 _POLL_S = 0.2
 _HEALTH_INTERVAL_S = 1.0
 _HEALTH_CHECK_TIMEOUT_S = 2.0
+LOOPBACK = "127.0.0.1"  # the stack's services' interface (`_Slot.address`)
 
 
 def stop_wait_s(grace_period_s: float, close_timeout_s: float) -> float:
@@ -150,13 +153,21 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
     if isinstance(args.http_port, int) and args.http_port:
         slots[0].http_port = args.http_port
 
+    # The gateway routes over the replicas this file lists, re-read when it changes: a replica
+    # restarted on another port (its own was taken while it was down) is routed to there.
+    replicas_file = os.path.join(files.dir, "replicas.json")
+
     def command(slot: _Slot) -> list[str]:
-        """Its command line, the gateway's with the stages' bound ports (`stack_commands`)."""
+        """Its command line, the gateway's with the stages' bound ports (`stack_commands`) and the
+        replica file that lists them."""
         bound = {role: [s.port for s in slots if s.role == role] for role in MODEL_ROLES}
         words = [
             *stack_commands(args, bound)[slot.name],
             *flags["gateway" if slot.role == "gateway" else "stage"],
         ]
+        if slot.role == "gateway":
+            _write_replicas(replicas_file, slots)
+            words += ["--replicas-file", replicas_file]
         return [*words, "--ports-file", slot.ports_file] if slot.ports_file else words
 
     # The stages' shared busy board: with --num-threads auto, a model call takes the cores the
@@ -195,7 +206,7 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
         for slot in slots:
             if not (staggered and slot.role == "gateway"):
                 slot.proc = start(slot)
-        return _supervise(slots, start, signals, policy, ready_timeout_s, args.ports_file)
+        return _supervise(slots, start, signals, policy, ready_timeout_s, args.ports_file, replicas_file)
     finally:
         _stop_all(slots, stop_wait_s(args.grace_period, args.close_timeout_s), signals)
         zygote.stop()
@@ -210,20 +221,19 @@ def _supervise(
     policy: RestartPolicy,
     ready_timeout_s: float,
     ports_file: str = "",
+    replicas_file: str = "",
 ) -> int:
     """Wait for every service to serve (one that exits meanwhile stops the stack: a bad port or
     flag would only fail again), then keep them running until a signal (epd/cli/supervisor.py):
-    restart what exits or stops answering, give up on what crash-loops."""
+    restart what exits or stops answering, give up on what crash-loops. `replicas_file`: the
+    gateway's, where a stage replica restarted on another port is listed (`_restart`)."""
     if (code := _wait_ready(slots, start, signals, ready_timeout_s)) is not None or signals.stop.is_set():
         return code or EXIT_OK
     by_role: dict[str, list[str]] = {}
     for slot in slots:
         by_role.setdefault(slot.role, []).append(slot.address)
     if ports_file:
-        gateway, stages = slots[0], slots[1:]
-        bound = {role: [s.port for s in stages if s.role == role] for role in MODEL_ROLES}
-        http = {} if gateway.http_port is None else {"http": gateway.http_port}
-        write_ports_file(ports_file, {"grpc": gateway.port, **http, **bound})
+        _write_stack_ports(ports_file, slots)
     print(
         "epd: stack ready; "
         + "; ".join(f"{role} at {','.join(addresses)}" for role, addresses in by_role.items()),
@@ -244,10 +254,10 @@ def _supervise(
                         return stop
             if not checks and now >= next_check_at:
                 next_check_at = now + _HEALTH_INTERVAL_S
-                checks = {
+                checks = {  # not one moved that has not bound yet: its old port is another's
                     i: pool.submit(health_answer, s.address, timeout_s=_HEALTH_CHECK_TIMEOUT_S)
                     for i, s in enumerate(slots)
-                    if s.replica.running
+                    if s.replica.running and not s.ports_file
                 }
             if checks and all(f.done() for f in checks.values()):
                 if (stop := _on_health(slots, checks, time.monotonic())) is not None:
@@ -255,16 +265,66 @@ def _supervise(
                 checks = {}
             for slot in slots:
                 if slot.replica.restart_due(now):
-                    slot.proc = start(slot)
-                    slot.replica.restarted(now)
-                    print(
-                        f"epd: {slot.name} restarted (pid {slot.proc.pid}, restart {slot.replica.restarts})",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    _restart(slot, start, now, replicas_file)
+                elif slot.ports_file and slot.replica.running and slot.read_ports_file():
+                    # A replica moved to a free port has bound it: route to it, tell whoever reads ours.
+                    _write_replicas(replicas_file, slots)
+                    if ports_file:
+                        _write_stack_ports(ports_file, slots)
+                    print(f"epd: {slot.name} now listens on {slot.address}", file=sys.stderr, flush=True)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     return EXIT_OK
+
+
+def _restart(slot: _Slot, start: Callable[[_Slot], Service], now: float, replicas_file: str) -> None:
+    """Start `slot` again, on the port it had unless another process took it while it was down
+    (binding it would fail, and then again at every restart: a crash loop). A stage replica then
+    moves to a free port the kernel picks (`_Slot.move_to_free_port`; once it has bound, the
+    supervision loop lists it in the gateway's `replicas_file`). The gateway cannot move (its clients
+    know its ports): no start, one line naming the port and its holder, another look after a backoff
+    (`Replica.port_taken`). The look races another process binding the port just after it: the
+    restart then fails to bind and exits, and the next restart looks again."""
+    if not slot.ports_file:  # one that moved and never bound is started on port 0 again
+        taken = [port for port in (slot.port, slot.http_port) if port and port_taken(LOOPBACK, port)]
+        if taken:
+            held = "; ".join(
+                f"port {port} is held by {port_holder(port) or 'another process'}" for port in taken
+            )
+            if slot.role == "gateway" or not replicas_file:
+                delay_s = slot.replica.port_taken(now)
+                print(
+                    f"epd: cannot restart {slot.name}: {held}; trying again in {delay_s:g} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return
+            print(f"epd: {slot.name}: {held}; restarting it on a free port", file=sys.stderr, flush=True)
+            slot.move_to_free_port(os.path.join(os.path.dirname(replicas_file), f"{slot.name}.ports.json"))
+    if slot.ports_file:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(slot.ports_file)  # an earlier start's: the port that one bound is gone
+    slot.proc = start(slot)
+    slot.replica.restarted(now)
+    print(
+        f"epd: {slot.name} restarted (pid {slot.proc.pid}, restart {slot.replica.restarts})",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _write_replicas(path: str, slots: list[_Slot]) -> None:
+    """The gateway's replica file (`--replicas-file`): each stage's replicas' addresses, as now,
+    replaced whole as a ports file is (the gateway never reads half of it)."""
+    write_ports_file(path, {role: [s.address for s in slots if s.role == role] for role in MODEL_ROLES})
+
+
+def _write_stack_ports(path: str, slots: list[_Slot]) -> None:
+    """`epd serve --ports-file`: the gateway's ports and each stage's replicas' ports, as now."""
+    gateway, stages = slots[0], slots[1:]
+    bound = {role: [s.port for s in stages if s.role == role] for role in MODEL_ROLES}
+    http = {} if gateway.http_port is None else {"http": gateway.http_port}
+    write_ports_file(path, {"grpc": gateway.port, **http, **bound})
 
 
 def _wait_ready(
@@ -394,7 +454,7 @@ class _Slot:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{LOOPBACK}:{self.port}"
 
     def read_ports_file(self) -> bool:
         """Whether it has bound: its ports read from its ports file, and put in its command line in
@@ -407,6 +467,16 @@ class _Slot:
                 self.command[self.command.index(flag) + 1] = str(port)
         self.ports_file = ""
         return True
+
+    def move_to_free_port(self, ports_file: str) -> None:
+        """Its next start binds a free port the kernel picks and names it in `ports_file`, read
+        as at its first start (`read_ports_file`), which puts it in the command line again."""
+        self.ports_file = ports_file
+        self.command[self.command.index("--port") + 1] = "0"
+        if "--ports-file" in self.command:
+            self.command[self.command.index("--ports-file") + 1] = ports_file
+        else:
+            self.command += ["--ports-file", ports_file]
 
 
 class _Signals:

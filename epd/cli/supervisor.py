@@ -10,6 +10,7 @@ A replica's life, as a process manager (systemd, Kubernetes) would run it:
        +--exits / not SERVING within start_timeout_s-------------------------> WAITING
     WAITING --backoff elapsed--> STARTING (forked again)
     WAITING --crash_loop_exits exits within crash_loop_window_s--> GIVEN_UP (never restarted)
+    WAITING --backoff elapsed, its port held by another process--> WAITING (`port_taken`)
 
 The backoff doubles from `backoff_initial_s` to `backoff_max_s` with each exit, and goes back to
 `backoff_initial_s` once the replica has served for `healthy_reset_s` without exiting: a replica
@@ -131,6 +132,15 @@ class Replica:
         self.state = State.WAITING
         self._restart_at = now + delay_s
         return Exit(given_up=False, delay_s=delay_s, recent_exits=len(self._exits))
+
+    def port_taken(self, now: float) -> float:
+        """Its restart was due, but another process holds the port it must listen on (the gateway's,
+        which its clients know): no process was started. Look again later, backing off as after an
+        exit, without counting one: nothing crashed, and the port may come free. The wait."""
+        delay_s = self._backoff_s
+        self._backoff_s = min(self._backoff_s * 2, self.policy.backoff_max_s)
+        self._restart_at = now + delay_s
+        return delay_s
 
     def restart_due(self, now: float) -> bool:
         return self.state is State.WAITING and now >= self._restart_at

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -22,7 +23,7 @@ import psutil
 from epd.cli.health import is_serving
 from epd.transport.affinity import rendezvous_order
 from tests.local_http import post_json
-from tests.stack import ROOT, child_env, epd_command, serving_pid
+from tests.stack import ROOT, child_env, epd_command, serving_pid, wait_until
 
 FRAMES = 4
 TOKENS = 6
@@ -83,37 +84,43 @@ def _back(port: int, old_pid: int, launcher: subprocess.Popen, log: Path) -> int
         time.sleep(0.2)
 
 
+def _launch(model: Path, log: Path, ports_file: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`epd serve` with `flags`, every port one the kernel picks, read from --ports-file (the
+    launcher reads each service's, gives the gateway the stages' and restarts each on its own), its
+    stderr in `log`: (the launcher, its "stack ready" line), once ready."""
+    ports = ("--encoder-port", "0", "--prefill-port", "0", "--decode-port", "0", "--gateway-port", "0")
+    command = epd_command("serve", "--model", str(model), *ports, "--http-port", "auto",
+                          "--ports-file", str(ports_file), *flags)  # fmt: skip
+    with open(log, "w") as stderr:
+        launcher = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=child_env(), cwd=ROOT
+        )
+    ready = launcher.stdout.readline() if launcher.stdout else ""
+    if "stack ready" not in ready:
+        launcher.kill()
+        launcher.wait()
+        raise AssertionError(f"exit {launcher.poll()}: {ready!r}\n{log.read_text()}")
+    return launcher, ready
+
+
+def _stop(launcher: subprocess.Popen) -> int | None:
+    """SIGTERM to the launcher (SIGKILL if it has not stopped within 60 s): its exit code."""
+    launcher.send_signal(signal.SIGTERM)
+    try:
+        return launcher.wait(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
 def test_killed_and_silent_replicas_are_restarted_while_the_stack_serves(tiny_models, media_files, tmp_path):
     """Two encoders and two prefills (each prefill advertises its own port; decode's default
     allow-list admits every loopback port), one decode."""
     log, ports_file = tmp_path / "stack.log", tmp_path / "stack.ports.json"
-    with open(log, "w") as stderr:
-        launcher = subprocess.Popen(
-            epd_command(
-                "serve",
-                "--model",
-                str(tiny_models["qwen2_vl"]),
-                "--encoders",
-                "2",
-                "--prefills",
-                "2",
-                # every port one the kernel picks, read from --ports-file (the launcher reads each
-                # service's, and gives the gateway the stages' and restarts each on its own)
-                *("--encoder-port", "0", "--prefill-port", "0", "--decode-port", "0", "--gateway-port", "0"),
-                *("--http-port", "auto", "--ports-file", str(ports_file)),
-                "--health-timeout",
-                "2",
-            ),
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-            env=child_env(),
-            cwd=ROOT,
-        )
+    flags = ("--encoders", "2", "--prefills", "2", "--health-timeout", "2")
+    launcher, ready = _launch(tiny_models["qwen2_vl"], log, ports_file, *flags)
     children: list[psutil.Process] = []
     try:
-        ready = launcher.stdout.readline() if launcher.stdout else ""
-        assert "stack ready" in ready, f"exit {launcher.poll()}: {ready!r}\n{log.read_text()}"
         bound = json.loads(ports_file.read_text())  # written before the line
         encoders, prefills = bound["encoder"], bound["prefill"]
         ports = {"gateway": bound["grpc"], "http": bound["http"], "decode": bound["decode"][0]}
@@ -181,13 +188,107 @@ def test_killed_and_silent_replicas_are_restarted_while_the_stack_serves(tiny_mo
         assert "epd: decode[0] restarted" in stderr_text and "Traceback" not in stderr_text, stderr_text
         children = psutil.Process(launcher.pid).children(recursive=True)
     finally:
-        launcher.send_signal(signal.SIGTERM)
-        try:
-            code = launcher.wait(timeout=60)
-        finally:
-            if launcher.poll() is None:
-                launcher.kill()
+        code = _stop(launcher)
     assert code == 0, log.read_text()
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE], [c.cmdline()[:8] for c in alive]
     assert all(serving_pid(p) is None for p in [*encoders, *prefills, *ports.values()])
+
+
+def _take_port(port: int) -> socket.socket:
+    """A listening socket of this test process on loopback port `port`, once the service that had
+    it is gone (SO_REUSEADDR: the connections it left in TIME_WAIT do not hold the port)."""
+    deadline = time.monotonic() + RESTART_WAIT_S
+    while True:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+            sock.listen()
+            return sock
+        except OSError:
+            sock.close()
+            assert time.monotonic() < deadline, f"port {port} never came free"
+            time.sleep(0.01)
+
+
+def _killed_and_taken(port: int, launcher: subprocess.Popen) -> tuple[int, socket.socket]:
+    """SIGKILL to the service on `port` and its port taken by this process before the launcher can
+    restart it (the launcher is stopped meanwhile, so that no restart can come first): (its pid, the
+    socket holding the port)."""
+    pid = serving_pid(port)
+    assert pid is not None
+    os.kill(launcher.pid, signal.SIGSTOP)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        sock = _take_port(port)
+    finally:
+        os.kill(launcher.pid, signal.SIGCONT)
+    return pid, sock
+
+
+def test_a_port_taken_while_its_service_was_down(tiny_models, media_files, tmp_path):
+    """Another process takes a killed service's port before the launcher restarts it: a stage
+    replica is restarted on a free port, which the gateway is told (its replica file) and the stack's
+    ports file lists; the gateway, whose port its clients know, is not started (one line naming the
+    port and its holder, then another look after a growing wait) until the port is free again.
+    Before, the restart failed to bind, again and again, and the stack stopped as a crash loop."""
+    log, ports_file = tmp_path / "stack.log", tmp_path / "stack.ports.json"
+    launcher, _ = _launch(tiny_models["qwen2_vl"], log, ports_file)
+    held: list[socket.socket] = []
+    try:
+        bound = json.loads(ports_file.read_text())
+        url = "data:video/mp4;base64," + base64.b64encode(media_files["mp4"].read_bytes()).decode()
+        answer = _chat(bound["http"], url)
+        holder = f"pid {os.getpid()} ("
+
+        encoder = bound["encoder"][0]
+        killed, sock = _killed_and_taken(encoder, launcher)
+        held.append(sock)
+        wait_until(
+            lambda: json.loads(ports_file.read_text())["encoder"] != [encoder] or launcher.poll() is not None,
+            "the moved encoder in the stack's ports file",
+            RESTART_WAIT_S,
+        )
+        moved = json.loads(ports_file.read_text())["encoder"][0]
+        text = log.read_text()
+        assert launcher.poll() is None, text
+        assert f"epd: encoder[0] (pid {killed}) exited with code -9; restarting in 1 s" in text, text
+        assert f"epd: encoder[0]: port {encoder} is held by {holder}" in text, text
+        assert (
+            "; restarting it on a free port" in text
+            and f"epd: encoder[0] now listens on 127.0.0.1:{moved}" in text
+        )
+        assert moved != encoder and serving_pid(encoder) == os.getpid()
+        assert _chat_once_back(bound["http"], url, launcher, log) == answer  # routed to the moved one
+        assert (
+            f"encoder replicas now 127.0.0.1:{moved} (added 127.0.0.1:{moved}, removed 127.0.0.1:{encoder})"
+            in (log.read_text())
+        )
+
+        gateway = bound["grpc"]
+        killed, sock = _killed_and_taken(gateway, launcher)
+        held.append(sock)
+        waiting = f"epd: cannot restart gateway: port {gateway} is held by {holder}"
+        wait_until(
+            lambda: log.read_text().count(waiting) >= 2 or launcher.poll() is not None,
+            "two looks at the gateway's taken port",
+            RESTART_WAIT_S,
+        )
+        text = log.read_text()
+        assert launcher.poll() is None, text
+        looks = [line for line in text.splitlines() if line.startswith(waiting)]
+        assert [line.rsplit("; ", 1)[1] for line in looks[:2]] == [
+            "trying again in 2 s",
+            "trying again in 4 s",
+        ]
+        assert "epd: gateway restarted" not in text, text  # nothing started to fail on the port
+        held.pop().close()  # the port is free again: the gateway comes back on it
+        _back(gateway, killed, launcher, log)
+        assert _chat_once_back(bound["http"], url, launcher, log) == answer
+        assert "Traceback" not in log.read_text()
+    finally:
+        for sock in held:
+            sock.close()
+        code = _stop(launcher)
+    assert code == 0, log.read_text()

@@ -140,11 +140,16 @@ def _slots(serve, names: list[str], policy):
 
 
 def test_crash_looping_replicas_are_given_up_and_the_stack_stops_with_its_last_one(
-    health_servers, launcher_signals, capsys
+    health_servers, launcher_signals, capsys, monkeypatch
 ):
+    from epd.cli import launcher
     from epd.cli.launcher import _supervise
     from epd.cli.process_exit import EXIT_FAILED
     from epd.cli.supervisor import RestartPolicy, State
+
+    # These processes exit while their health servers keep listening: the launcher's look at a
+    # port before a restart would find each taken (tests/integration/test_supervision.py has real ones).
+    monkeypatch.setattr(launcher, "port_taken", lambda host, port: False)
 
     policy = RestartPolicy(backoff_initial_s=0.01, backoff_max_s=0.01, crash_loop_exits=2)
     slots = _slots(health_servers, ["gateway", "encoder[0]", "encoder[1]"], policy)

@@ -70,6 +70,24 @@ def test_a_crash_loop_is_given_up_on():
     assert replica.state is State.GIVEN_UP
 
 
+def test_a_port_held_by_another_process_is_waited_for_with_backoff_and_is_no_crash():
+    """The gateway's port taken while it was down: the launcher starts nothing and looks again,
+    ever less often, for as long as it takes; an exit after that still counts from the backoff."""
+    replica = serving()
+    now = 0.0
+    assert replica.exited(now).delay_s == 1.0
+    now += 1.0
+    waits = []
+    for _ in range(8):
+        assert replica.restart_due(now)
+        waits.append(replica.port_taken(now))
+        assert replica.state is State.WAITING and not replica.restart_due(now + waits[-1] - 0.01)
+        now += waits[-1]
+    assert waits == [2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0, 30.0]
+    replica.restarted(now)  # the port came free: started again, never given up on meanwhile
+    assert replica.state is State.STARTING and replica.restarts == 1
+
+
 def test_exits_spread_wider_than_the_window_are_not_a_crash_loop():
     replica, now = serving(), 0.0
     for _ in range(3 * POLICY.crash_loop_exits):

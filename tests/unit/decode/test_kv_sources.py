@@ -190,7 +190,7 @@ def test_idle_channels_are_bounded_and_one_in_use_is_kept(monkeypatch):
             pull = asyncio.ensure_future(puller.pull(busy, "handle"))
             while not puller.channels.targets:
                 await asyncio.sleep(0.01)
-            refused = [f"127.0.0.1:{port}" for port in _free_ports(5)]  # nothing listens there
+            refused = [f"127.0.0.1:{free_port()}" for _ in range(5)]  # nothing listens there
             for address in refused:
                 with pytest.raises(KvSourceLost):
                     await puller.pull(address, "handle")
@@ -208,10 +208,3 @@ def test_idle_channels_are_bounded_and_one_in_use_is_kept(monkeypatch):
     targets = [puller.check_allowed(a).grpc_target for a in (busy, *refused)]
     # The busy one, the two most recent idle ones and the last one used (closed at the next call).
     assert kept == [targets[0], *targets[-3:]]
-
-
-def _free_ports(count: int) -> list[int]:
-    ports: set[int] = set()
-    while len(ports) < count:
-        ports.add(free_port())
-    return sorted(ports)

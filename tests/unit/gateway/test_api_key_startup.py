@@ -5,7 +5,6 @@ the only one that binds anything binds 127.0.0.1."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epd.gateway.config import GatewayConfig, HttpApiConfig, open_without_key
 from epd.stages.server_config import ServerConfig
-from tests.stack import bound_ports, free_port
+from tests.stack import bound_ports
 
 
 def _epd(*args: str) -> subprocess.Popen:
@@ -64,17 +63,16 @@ def test_open_without_key(config, refused):
         assert refused in problem and "--api-key" in problem and "--no-api-key" in problem
 
 
-def test_a_gateway_on_every_interface_without_a_key_exits_before_binding():
-    port = free_port()
-    proc = _epd("--host", "0.0.0.0", "--port", str(port))
+def test_a_gateway_on_every_interface_without_a_key_exits_before_binding(tmp_path):
+    ports_file = tmp_path / "ports.json"
+    proc = _epd("--host", "0.0.0.0", "--port", "0", "--ports-file", str(ports_file))
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2  # a usage error, as every other bad flag value
     assert err.strip().splitlines() == [
         "epd serve gateway: refusing to serve gRPC on 0.0.0.0 (--host) without an API key: set --api-key "
         "KEY (or $EPD_API_KEY), bind 127.0.0.1, or pass --no-api-key on a closed, trusted network"
     ]
-    with socket.socket() as s:  # nothing was bound: the port is still free
-        s.bind(("0.0.0.0", port))
+    assert not ports_file.exists()  # nothing was bound: a server writes the file once it listens
 
 
 def test_a_loopback_gateway_starts_without_a_key(tmp_path):

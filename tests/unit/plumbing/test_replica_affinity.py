@@ -151,7 +151,8 @@ def test_a_restarted_replica_serves_again_only_once_its_calls_can_go_out():
     its own said SERVING at once, and calls failed UNAVAILABLE for the rest of the backoff)."""
 
     async def scenario():
-        port = free_port()  # nothing listening on it yet
+        # Picked, not bound as port 0: the replica is down (nothing listens) before it serves there.
+        port = free_port()
         address = f"127.0.0.1:{port}"
         pool = ReplicaPool([address])
         config = GatewayConfig(
