@@ -9,6 +9,7 @@ import sys
 from epd.cli.flags.modes import command_parser, command_tokens, ignored_flags_problem
 from epd.cli.parsers.root import build_parser
 from epd.cli.parsers.serve import flags_before_role
+from epd.cli.preload import ensure_preloads, preload_choices
 from epd.cli.secret_flags import hide_secrets_from_ps
 
 
@@ -35,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     from epd.transport.tracing import configure_logging
 
     configure_logging(args.log_level, args.log_format)  # the request id in every line about a request
+    if argv is None and (preloads := preload_choices(args)) is not None:
+        # May run this command again, with tcmalloc and/or MKL's library preloaded.
+        if (error := ensure_preloads(*preloads)) is not None:
+            print(f"epd {args.command}: {error}", file=sys.stderr)
+            return 2
     if args.command == "ask":
         from epd.cli.ask import run_ask
 
@@ -61,13 +67,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"epd health: {exc}", file=sys.stderr)
             return 2
         return check_health(args.address, args.service, args.timeout)
-    if argv is None and (allocator := getattr(args, "allocator", None)) is not None:
-        from epd.cli.preload import ensure_preloads
-
-        # May run this command again, with tcmalloc and/or MKL's library preloaded.
-        if (error := ensure_preloads(allocator, args.mkl_dispatch)) is not None:
-            print(f"epd serve: {error}", file=sys.stderr)
-            return 2
     from epd.cli.serve import run_serve
 
     return run_serve(args)

@@ -1,4 +1,5 @@
-"""Which of MKL's kernels run the model's float32 matrix products (`epd serve --mkl-dispatch`).
+"""Which of MKL's kernels run the model's float32 matrix products (`--mkl-dispatch` of `epd serve`
+and of `epd ask` embedded).
 
 torch's matrix products on an x86 CPU are MKL's (sgemm). MKL chooses its kernels by the CPU's
 vendor before its instruction set: on a CPU that is not Intel's it runs its generic kernels
@@ -13,7 +14,7 @@ the requests/s at 16 in flight with them (docs/benchmarks.md, "MKL's kernels on 
               (`mkl_serv_intel_cpu_true`, which torch's libtorch_cpu exports and MKL calls through
               it) with yes. It is built once from its C source (mkl_features_shim.c, next to this
               file) with the machine's C compiler (`$CC`, else cc or gcc) into epd's cache
-              directory ($EPD_CACHE_DIR, default ~/.cache/epd); without a compiler `epd serve`
+              directory ($EPD_CACHE_DIR, default ~/.cache/epd); without a compiler the command
               exits 2 saying what to install. $EPD_MKL_FEATURES_LIBRARY names one built
               beforehand instead (the container image builds it in a stage of its own).
 
@@ -23,8 +24,9 @@ library where its two best logits are that close (a near tie), as with `--linear
 with the library in both processes the tokens are the same (tests/integration/test_exactness.py
 passes so, as on an Intel CPU).
 On an Intel CPU the library changes nothing (MKL already chose by instruction set). Like the
-allocator it must be in place before torch loads, so `epd serve` runs itself again with it
-(`epd.cli.preload`), and the stack's services inherit the variable from their launcher.
+allocator it must be in place before torch loads, so `epd serve` (or `epd ask` embedded) runs
+itself again with it (`epd.cli.preload`), and the stack's services inherit the variable from their
+launcher.
 """
 
 from __future__ import annotations

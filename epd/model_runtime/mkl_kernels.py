@@ -1,6 +1,6 @@
 """Which of MKL's kernels this process's float32 matrix products run on, logged when a model loads,
-with a hint where MKL runs its generic kernels on a CPU that can do better (`epd serve
---mkl-dispatch features`, epd/cli/mkl_dispatch.py).
+with a hint where MKL runs its generic kernels on a CPU that can do better (`--mkl-dispatch
+features` of `epd serve` and `epd ask`, epd/cli/mkl_dispatch.py).
 
 MKL's version record names its kernels (`Processor`, as `MKL_VERBOSE` prints it), but it asks
 another vendor check (`mkl_serv_intel_cpu`) than the matrix products do (`mkl_serv_intel_cpu_true`,
@@ -77,8 +77,8 @@ def kernels_note(kernels: str | None, answered_yes: bool, flags: set[str]) -> st
     if kernels == GENERIC_KERNELS and best is not None:
         return (
             f"MKL kernels: {kernels} (generic: MKL's choice on a CPU that is not Intel's); this CPU has "
-            f"{best}: epd serve --mkl-dispatch features runs MKL's {best} kernels (docs/benchmarks.md, "
-            '"MKL\'s kernels on AMD CPUs")'
+            f"{best}: --mkl-dispatch features (epd serve, epd ask) runs MKL's {best} kernels "
+            '(docs/benchmarks.md, "MKL\'s kernels on AMD CPUs")'
         )
     return f"MKL kernels: {kernels}"
 

@@ -392,6 +392,33 @@ def test_serve_with_mkl_dispatch_features_preloads_mkls_library(tiny_models, med
     assert "MKL kernels: " in err and "(generic: MKL's choice" not in err, err
 
 
+@pytest.mark.skipif(find_compiler() is None, reason="no C compiler (cc, gcc or $CC) to build its library")
+def test_ask_with_mkl_dispatch_features_preloads_mkls_library(tiny_models, media_files, expected, tmp_path):
+    """`epd ask --mkl-dispatch features` (embedded: the model runs in its own process) builds the
+    library into the user's cache and runs itself again with it preloaded, as `epd serve` does: the
+    process that loads the model says MKL's kernels go by the CPU's instruction set (its vendor
+    check, looked up as MKL's calls find it, answers yes: the library is mapped there), and its
+    answer equals generate()'s without the library on this model and clip."""
+    from epd.cli.mkl_dispatch import shim_path
+    from epd.model_runtime.mkl_kernels import GENERIC_KERNELS, mkl_kernels
+
+    env = {**child_env(), "EPD_CACHE_DIR": str(tmp_path)}
+    env.pop("LD_PRELOAD", None)
+    proc = subprocess.run(
+        epd_command("--log-level", "INFO", *embedded_ask_args(tiny_models, media_files),
+                    "--mkl-dispatch", "features"),
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["token_ids"] == expected
+    assert shim_path(tmp_path).is_file()
+    # The model process's start-up note. Where MKL picks generic kernels (this test process, a CPU
+    # that is not Intel's), only the preloaded library makes it say "by the CPU's instruction set".
+    if mkl_kernels() == GENERIC_KERNELS:
+        assert "MKL kernels: by the CPU's instruction set" in proc.stderr, proc.stderr
+    assert "MKL kernels: " in proc.stderr and "(generic: MKL's choice" not in proc.stderr, proc.stderr
+
+
 def test_ask_with_pruning_preset_reports_savings(tiny_models, media_files, embedded_json):
     off = embedded_json  # the same request without --pruning
     proc = run_epd_forked(

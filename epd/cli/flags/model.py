@@ -72,12 +72,13 @@ def add_model_flags(p: argparse.ArgumentParser, compiles: bool = True) -> list[a
     return flags
 
 
-def add_preload_flags(p: argparse.ArgumentParser) -> None:
-    """The libraries the model processes preload (`epd.cli.preload`)."""
+def add_preload_flags(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The libraries the model processes preload (`epd.cli.preload`): `epd serve`'s, and `epd ask`'s
+    own process in embedded mode. Returns the flags."""
     from epd.cli.allocator import ALLOCATORS
     from epd.cli.mkl_dispatch import MKL_DISPATCHES
 
-    p.add_argument(
+    allocator = p.add_argument(
         "--allocator",
         default="auto",
         choices=ALLOCATORS,
@@ -85,7 +86,7 @@ def add_preload_flags(p: argparse.ArgumentParser) -> None:
         "malloc), tcmalloc (or exit 2), system (as started). tcmalloc lowered the peak memory "
         "under load by 5-17%% at the same or a higher speed (docs/benchmarks.md, 'Memory allocator')",
     )
-    p.add_argument(
+    mkl_dispatch = p.add_argument(
         "--mkl-dispatch",
         default="vendor",
         choices=MKL_DISPATCHES,
@@ -96,3 +97,4 @@ def add_preload_flags(p: argparse.ArgumentParser) -> None:
         "round differently from generate()'s in a process without it (docs/benchmarks.md, "
         '"MKL\'s kernels on AMD CPUs")',
     )
+    return [allocator, mkl_dispatch]

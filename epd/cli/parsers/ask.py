@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from epd.cli.flags.arg_types import env, positive_seconds
 from epd.cli.flags.media import add_sampling_flags
-from epd.cli.flags.model import add_model_flags
+from epd.cli.flags.model import add_model_flags, add_preload_flags
 from epd.cli.flags.modes import EMBEDDED, ENDPOINT, serves_only
 from epd.cli.flags.request import add_generation_flags, add_pruning_flags
 from epd.cli.flags.server import add_close_timeout_flag
@@ -176,6 +176,12 @@ def add_ask_command(sub) -> None:
         EMBEDDED,
         "the flags of the model epd ask loads itself; a gateway's services chose theirs when they started",
         *add_model_flags(ask),
+    )
+    serves_only(
+        EMBEDDED,
+        "the libraries preloaded where the model runs (this process, in embedded mode); a gateway's "
+        "services run it, with the libraries their own epd serve --allocator / --mkl-dispatch chose",
+        *add_preload_flags(ask),
     )
     serves_only(
         EMBEDDED,

@@ -1,6 +1,6 @@
-"""`epd serve --allocator`: what the process does about its malloc before anything else
-(epd/cli/allocator.py). The processes themselves (the colocated server and the stack's services on
-tcmalloc where it is installed) are tested in tests/e2e/test_cli.py."""
+"""`--allocator` (`epd serve`, `epd ask` embedded): what the process does about its malloc before
+anything else (epd/cli/allocator.py). The processes themselves (the colocated server and the stack's
+services on tcmalloc where it is installed) are tested in tests/e2e/test_cli.py."""
 
 from __future__ import annotations
 
@@ -79,22 +79,30 @@ def test_a_preload_that_did_not_load_is_never_tried_twice(separator):
 
 
 @pytest.mark.parametrize(
-    ("words", "allocator"),
+    ("words", "choices"),
     [
-        (["serve"], "auto"),
-        (["serve", "--colocate", "--allocator", "system"], "system"),
-        (["serve", "prefill", "--allocator", "tcmalloc"], "tcmalloc"),
-        (["serve", "encoder"], "auto"),
+        (["serve"], ("auto", "vendor")),
+        (["serve", "--colocate", "--allocator", "system"], ("system", "vendor")),
+        (["serve", "prefill", "--allocator", "tcmalloc"], ("tcmalloc", "vendor")),
+        (["serve", "encoder", "--mkl-dispatch", "features"], ("auto", "features")),
         (["serve", "gateway"], None),
-        (["ask", "v.mp4", "q"], None),
+        (["ask", "v.mp4", "q"], ("auto", "vendor")),
+        (
+            ["ask", "v.mp4", "q", "--allocator", "system", "--mkl-dispatch", "features"],
+            ("system", "features"),
+        ),
+        (["ask", "v.mp4", "q", "--endpoint", "127.0.0.1:1"], None),
+        (["health", "127.0.0.1:1"], None),
     ],
 )
-def test_which_commands_choose_an_allocator(words, allocator):
-    """The gateway (no model) and `epd ask` never run themselves again; a gateway the stack starts
-    inherits the launcher's LD_PRELOAD."""
-    from epd.cli.parsers.root import build_parser
+def test_which_commands_run_themselves_again_with_which_preloads(words, choices):
+    """The processes that load the model (and the stack's launcher, whose services inherit its
+    LD_PRELOAD), with the same defaults: `epd serve` and `epd ask` embedded. The gateway (no model)
+    and `epd ask --endpoint` (the model runs in the gateway's services) never run themselves again."""
+    from epd.cli.main import parse_command
+    from epd.cli.preload import preload_choices
 
-    assert getattr(build_parser().parse_args(words), "allocator", None) == allocator
+    assert preload_choices(parse_command(words)) == choices
 
 
 def test_found_library_is_one_the_loader_can_open():
@@ -108,12 +116,16 @@ def test_found_library_is_one_the_loader_can_open():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD and /proc are Linux's")
-def test_explicit_tcmalloc_that_cannot_be_had_exits_2_before_loading_anything():
+@pytest.mark.parametrize(
+    "words", [["serve", "prefill", "--model", "unused"], ["ask", "--no-video", "q", "--model", "unused"]]
+)
+def test_explicit_tcmalloc_that_cannot_be_had_exits_2_before_loading_anything(words):
     """The command line's own path (`main()` with argv None): an empty library search (no prefix
-    copy, no ldconfig match) makes --allocator tcmalloc a usage error, not a started server."""
+    copy, no ldconfig match) makes --allocator tcmalloc a usage error, not a started server or an
+    answer from a model loaded on glibc's malloc."""
     code = (
         "import sys, epd.cli.allocator as a; a.find_tcmalloc = lambda: None; "
-        "sys.argv = ['epd', 'serve', 'prefill', '--allocator', 'tcmalloc', '--model', 'unused']; "
+        f"sys.argv = ['epd', *{words!r}, '--allocator', 'tcmalloc']; "
         "from epd.cli.main import main; code = main(); "
         "sys.exit(code if 'torch' not in sys.modules else 99)"
     )
@@ -123,5 +135,5 @@ def test_explicit_tcmalloc_that_cannot_be_had_exits_2_before_loading_anything():
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60
     )
     assert proc.returncode == 2, proc.stderr
-    assert "--allocator tcmalloc: no tcmalloc library found" in proc.stderr
+    assert f"epd {words[0]}: --allocator tcmalloc: no tcmalloc library found" in proc.stderr
     assert "--allocator system" in proc.stderr

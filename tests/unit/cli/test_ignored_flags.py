@@ -63,6 +63,13 @@ def refusal(capsys, argv: list[str]) -> str:
             "",
         ),
         ([*ENDPOINT, "--structured-compile-timeout-s", "5"], "--structured-compile-timeout-s does", ""),
+        (
+            [*ENDPOINT, "--mkl-dispatch", "features", "--allocator", "system"],
+            "--mkl-dispatch, --allocator do nothing with --endpoint: "
+            "the libraries preloaded where the model runs",
+            "drop them, or drop --endpoint",
+        ),
+        ([*ENDPOINT, "--allocator=auto"], "--allocator does", "epd serve --allocator"),  # the default
         ([*ENDPOINT, "--close-timeout-s", "5"], "--close-timeout-s does", "close waits for its threads"),
         (
             [*ENDPOINT, "--chat-template", "{{ messages }}"],
@@ -103,6 +110,7 @@ def test_each_reason_is_said_once_with_its_flags(capsys):
         ["serve", "gateway", "--routing", "round-robin", "--tls-ca", "c"],  # a role reads its every flag
         [*ENDPOINT, "--timeout", "5", "--fps", "1", "--api-key", "k", "--tls-ca", "c"],
         [*ASK, "--device", "cpu", "--close-timeout-s", "1", "--chat-template", "t"],
+        [*ASK, "--mkl-dispatch", "features", "--allocator", "system"],
         [*ENDPOINT, "--stop=--device"],  # a value that looks like a flag is a value
         [*ENDPOINT, "--seed", "-5"],
         [*ASK[:2], "--endpoint", "h:1", "--", "--device?"],  # after --, the question

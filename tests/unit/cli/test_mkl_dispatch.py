@@ -1,7 +1,7 @@
-"""`epd serve --mkl-dispatch`: the plan (epd/cli/mkl_dispatch.py), its library built for real with
-the machine's C compiler, the two preloads planned into one exec (epd/cli/preload.py), and the
-start-up note on MKL's kernels (epd/model_runtime/mkl_kernels.py). The served process itself is
-tested in tests/e2e/test_cli.py."""
+"""`--mkl-dispatch` (`epd serve`, `epd ask` embedded): the plan (epd/cli/mkl_dispatch.py), its
+library built for real with the machine's C compiler, the two preloads planned into one exec
+(epd/cli/preload.py), and the start-up note on MKL's kernels (epd/model_runtime/mkl_kernels.py).
+The served process and `epd ask`'s own are tested in tests/e2e/test_cli.py."""
 
 from __future__ import annotations
 
@@ -165,3 +165,28 @@ def test_a_relative_library_path_is_made_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(LIBRARY_ENV, "libepd_mkl_features.so")
     assert mkl_library("features") == (tmp_path / "libepd_mkl_features.so", None)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="MKL's dispatch is x86-64's")
+@pytest.mark.parametrize(
+    "words", [["serve", "prefill", "--model", "unused"], ["ask", "--no-video", "q", "--model", "unused"]]
+)
+def test_features_without_its_library_exits_2_before_loading_anything(tmp_path, words):
+    """The command line's own path (`main()` with argv None), `epd serve` and `epd ask` embedded
+    alike: a library that cannot be had is a usage error before torch loads, not a model run on
+    MKL's generic kernels."""
+    from epd.cli.mkl_dispatch import LIBRARY_ENV
+
+    code = (
+        f"import sys; sys.argv = ['epd', *{words!r}, '--mkl-dispatch', 'features']; "
+        "from epd.cli.main import main; code = main(); "
+        "sys.exit(code if 'torch' not in sys.modules else 99)"
+    )
+    env = {**child_env(), LIBRARY_ENV: str(tmp_path / "missing.so")}
+    env.pop("LD_PRELOAD", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert f"epd {words[0]}: --mkl-dispatch features: {LIBRARY_ENV}=" in proc.stderr
+    assert "missing.so is not a file" in proc.stderr
