@@ -22,6 +22,7 @@ from epd.gateway.config import (
 )
 from epd.gateway.media_fetch import dns_host
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.generation_defaults import sampling_defaults, with_sampling_defaults
 from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs
 from epd.model_runtime.threads import AUTO
 from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
@@ -374,8 +375,17 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
             load_refresh_interval_s=args.load_refresh_interval,
             http=http_api_config(args),
             sampling=sampling_options(args),
+            generation=request_defaults(args, model=None),  # no model folder: auto reads none
         )
     )
+
+
+def request_defaults(args: argparse.Namespace, model: str | None) -> GenerationConfig:
+    """The defaults of a request's unset generation fields: the server's, with the sampling ones
+    --generation-config and --override-generation-config give (vLLM's; `model`: the folder or hub
+    id auto reads). ValueError naming the flag: a file or value that cannot be used."""
+    defaults = sampling_defaults(args.generation_config, model, args.override_generation_config)
+    return with_sampling_defaults(GenerationConfig(), defaults)
 
 
 def colocated_gateway_config(args: argparse.Namespace) -> GatewayConfig:
@@ -402,6 +412,7 @@ def colocated_gateway_config(args: argparse.Namespace) -> GatewayConfig:
             body_timeout_s=args.body_timeout,
             max_upload_bytes=args.max_upload_bytes,
             sampling=sampling_options(args),
+            generation=request_defaults(args, args.model),
         )
     )  # the defaults of requests, as the encoder's own (`--fps`, ...)
 

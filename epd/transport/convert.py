@@ -143,12 +143,15 @@ def generation_from_proto(msg: common_pb2.GenerationParams, defaults: Generation
     return GenerationConfig(
         max_new_tokens=msg.max_new_tokens or defaults.max_new_tokens,
         temperature=msg.temperature,
-        top_p=msg.top_p or 1.0,
+        # 0 is unset where no request may send it (top_p, repetition_penalty and max_new_tokens, all
+        # > 0): the front door's defaults (`--generation-config`); temperature, top_k and min_p
+        # have no presence on the wire (0 is greedy / off), so an Ask request's are its own.
+        top_p=msg.top_p or defaults.top_p,
         top_k=max(0, msg.top_k),  # -1 is off, as 0, on every door (the HTTP API's too)
         seed=msg.seed if msg.HasField("seed") else None,
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,
-        repetition_penalty=msg.repetition_penalty or 1.0,
+        repetition_penalty=msg.repetition_penalty or defaults.repetition_penalty,
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
         min_p=msg.min_p,
