@@ -8,6 +8,7 @@ transformers (the gateway loads neither): the file is plain JSON."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import replace
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from epd.model_runtime.sampling import GenerationConfig
+
+log = logging.getLogger(__name__)
 
 SAMPLING_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
 """vLLM's `available_params`: the keys of a generation config that become request defaults
@@ -73,9 +76,9 @@ def with_sampling_defaults(configured: GenerationConfig, defaults: Mapping[str, 
     return replace(configured, **values)
 
 
-def describe(generation: GenerationConfig, source: str) -> str:
-    """The start-up log line naming the defaults `generation` took from `source` (vLLM's warning,
-    with the values): its sampling fields that differ from the server's own defaults."""
+def announce(generation: GenerationConfig, source: str) -> None:
+    """Logs the defaults `generation` took from `source`, once at start-up: its sampling fields
+    that differ from the server's own. A warning when there are some, as vLLM's: answers change."""
     own = GenerationConfig()
     taken = {
         key: getattr(generation, key)
@@ -83,11 +86,18 @@ def describe(generation: GenerationConfig, source: str) -> str:
         if getattr(generation, key) != getattr(own, key)
     }
     if not taken:
-        return f"sampling defaults: the server's (greedy, max_tokens {own.max_new_tokens}); none from --generation-config {source}"
+        log.info(
+            "sampling defaults: the server's (greedy, max_tokens %d); none from --generation-config %s",
+            own.max_new_tokens,
+            source,
+        )
+        return
     shown = ", ".join(f"{'max_tokens' if k == 'max_new_tokens' else k}={v}" for k, v in taken.items())
-    return (
-        f"sampling defaults of the fields a request leaves unset, from --generation-config {source}: {shown} "
-        "(the model creator's recommendation; --generation-config vllm ignores them)"
+    log.warning(
+        "sampling defaults of the fields a request leaves unset, from --generation-config %s: %s (the "
+        "model creator's recommendation; --generation-config vllm ignores them)",
+        source,
+        shown,
     )
 
 

@@ -6,6 +6,7 @@ leaves unset, on every door (resolved in one place: `parse_generation` for the H
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from epd.cli import configs, stack_commands
 from epd.cli.main import build_parser
 from epd.gateway.generation_options import parse_generation
-from epd.model_runtime.generation_defaults import describe, sampling_defaults, with_sampling_defaults
+from epd.model_runtime.generation_defaults import announce, sampling_defaults, with_sampling_defaults
 from epd.model_runtime.sampling import GenerationConfig
 from epd.transport import convert
 from epd.v1 import common_pb2
@@ -34,22 +35,28 @@ def resolved(source: str, model: str | None, override: str = "") -> GenerationCo
     return with_sampling_defaults(GenerationConfig(), sampling_defaults(source, model, override))
 
 
-def test_auto_takes_the_models_sampling_fields_and_nothing_else(tmp_path):
+def test_auto_takes_the_models_sampling_fields_and_nothing_else(tmp_path, caplog):
     got = sampling_defaults("auto", str(model_dir(tmp_path, min_p=0.05, **QWEN3_VL)))
     assert got == {**QWEN3_VL, "min_p": 0.05}  # not eos_token_id, not do_sample
     generation = resolved("auto", str(tmp_path))
     assert (generation.temperature, generation.top_p, generation.top_k) == (0.7, 0.8, 20)
     assert (generation.repetition_penalty, generation.min_p, generation.max_new_tokens) == (1.05, 0.05, 128)
-    line = describe(generation, "auto")
+    with caplog.at_level(logging.INFO, "epd.model_runtime.generation_defaults"):
+        announce(generation, "auto")
+    [record] = caplog.records
+    line = record.getMessage()
+    assert record.levelno == logging.WARNING, "answers change: said as vLLM says it"
     assert "temperature=0.7" in line and "max_tokens=128" in line and "--generation-config vllm" in line
 
 
-def test_a_config_without_sampling_fields_changes_nothing(tmp_path):
+def test_a_config_without_sampling_fields_changes_nothing(tmp_path, caplog):
     """The tests' tiny models: their answers stay `generate()`'s greedy ones."""
     assert resolved("auto", str(model_dir(tmp_path))) == GenerationConfig()
     assert resolved("auto", None) == GenerationConfig()  # the gateway alone: no model folder
     assert resolved("auto", str(tmp_path / "absent")) == GenerationConfig()
-    assert "none from --generation-config auto" in describe(GenerationConfig(), "auto")
+    with caplog.at_level(logging.INFO, "epd.model_runtime.generation_defaults"):
+        announce(GenerationConfig(), "auto")
+    assert "none from --generation-config auto" in caplog.records[0].getMessage()
 
 
 def test_vllm_ignores_the_model_and_dir_reads_another_folder(tmp_path):
