@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -112,7 +113,13 @@ def source_of(source: str, model: str) -> str:
 
 def model_file(model: str) -> Path | None:
     """The model's generation_config.json: in its folder, or where transformers downloaded a hub
-    id; None when it has none."""
+    id; None when it has none. "default" (`--model`'s default) is $EPD_DEFAULT_MODEL when set, else
+    the embedded demo model, whose generation_config.json has no sampling fields (and which is not
+    built here: that imports torch)."""
+    if model == "default":
+        model = os.environ.get("EPD_DEFAULT_MODEL", "")
+        if not model:
+            return None
     path = Path(model) / "generation_config.json"
     if path.is_file():
         return path

@@ -17,11 +17,16 @@ from epd.cli.health import is_serving
 from epd.client import EpdClient
 from tests.integration.test_sampling_options import post_chat
 from tests.reference import decode_for_test, reference_tokens
-from tests.stack import ROOT, Stack, wait_until
+from tests.stack import ROOT, Stack, child_env, epd_command, run_epd_forked, wait_until
 
 QUESTION = "what colour is the moving square?"
 NUM_FRAMES = 4
 CREATORS_MAX_NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def video(media_files):
+    return decode_for_test(media_files["mp4"], NUM_FRAMES)
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +52,15 @@ def chat_body(media: Path, **fields) -> dict:
                                                       {"type": "text", "text": QUESTION}]}]}  # fmt: skip
 
 
+def answer_of(proc: subprocess.CompletedProcess) -> list[int]:
+    """The token ids `epd ask --json` printed."""
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])["token_ids"]
+
+
 def test_the_models_sampling_defaults_apply_where_a_request_leaves_them_unset(
-    creator_model, tiny_models, media_files, tmp_path
+    creator_model, tiny_models, media_files, video, tmp_path
 ):
-    video = decode_for_test(media_files["mp4"], NUM_FRAMES)
     # generate() reads the saved generation_config: the penalty and the length are the model's
     want = reference_tokens(creator_model, video, QUESTION, CREATORS_MAX_NEW_TOKENS)
     plain = reference_tokens(tiny_models["qwen2_vl"], video, QUESTION, CREATORS_MAX_NEW_TOKENS)
@@ -69,6 +79,21 @@ def test_the_models_sampling_defaults_apply_where_a_request_leaves_them_unset(
             assert own.token_ids == plain
         status, body = post_chat(stack.http_port, chat_body(mp4))  # HTTP: no max_tokens, no penalty
         assert status == 200 and body["epd"]["token_ids"] == want, body
+        # `epd ask --endpoint`: its unset flags are left unset on the wire
+        ask = [
+            "ask",
+            str(mp4),
+            QUESTION,
+            "--endpoint",
+            stack.gateway,
+            "--num-frames",
+            str(NUM_FRAMES),
+            "--json",
+        ]
+        proc = subprocess.run(
+            epd_command(*ask), capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=180
+        )
+        assert answer_of(proc) == want
 
         # --generation-config vllm: the same gateway restarted on its port, the model's ignored.
         stack.procs["gateway"].terminate()
@@ -85,3 +110,25 @@ def test_the_models_sampling_defaults_apply_where_a_request_leaves_them_unset(
         wait_until(lambda: is_serving(stack.gateway, timeout_s=1.0), "the restarted gateway serving")
         status, body = post_chat(stack.http_port, chat_body(mp4, max_tokens=CREATORS_MAX_NEW_TOKENS))
         assert status == 200 and body["epd"]["token_ids"] == plain != want, body
+
+
+def test_embedded_ask_takes_the_models_defaults_as_vllms_llm_does(
+    creator_model, tiny_models, media_files, video
+):
+    """vLLM's `LLM.generate` with default SamplingParams starts from the model's generation config
+    too (`get_default_sampling_params`): embedded `epd ask` without the flags, as the server."""
+    want = reference_tokens(creator_model, video, QUESTION, CREATORS_MAX_NEW_TOKENS)
+    ask = [
+        "ask",
+        str(media_files["mp4"]),
+        QUESTION,
+        "--model",
+        str(creator_model),
+        "--num-frames",
+        str(NUM_FRAMES),
+    ]
+    assert answer_of(run_epd_forked(*ask, "--json", timeout_s=180)) == want
+    off = run_epd_forked(*ask, "--json", "--repetition-penalty", "1", timeout_s=180)  # the flag wins
+    assert answer_of(off) == reference_tokens(
+        tiny_models["qwen2_vl"], video, QUESTION, CREATORS_MAX_NEW_TOKENS
+    )

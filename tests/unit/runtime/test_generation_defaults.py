@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,33 @@ def test_every_serve_form_builds_its_front_doors_defaults(tmp_path):
     )
     off = build_parser().parse_args(["serve", "--model", model, "--generation-config", "vllm"])
     assert configs.colocated_gateway_config(off).generation == GenerationConfig()
+
+
+def test_epd_asks_unset_flags_take_the_defaults_and_a_flag_it_sets_wins():
+    """Embedded: the model's defaults fill the flags left unset; with --endpoint they stay unset on
+    the wire (None: the SDK leaves them out), for the gateway's own defaults."""
+    defaults = with_sampling_defaults(GenerationConfig(), QWEN3_VL)
+    args = build_parser().parse_args(["ask", "v.mp4", "q?", "--top-k", "3"])
+    generation = configs.generation_config(args, defaults)
+    assert (generation.temperature, generation.top_p, generation.top_k, generation.max_new_tokens) == (
+        0.7,
+        0.8,
+        3,
+        128,
+    )
+    assert generation.fit_max_new_tokens  # as a request without max_tokens
+    assert configs.generation_config(args) == replace(GenerationConfig(top_k=3), fit_max_new_tokens=True)
+    options = configs.generation_options(args)
+    assert (
+        options["top_k"] == 3
+        and options["temperature"] is options["top_p"] is options["max_new_tokens"] is None
+    )
+
+
+def test_epd_ask_refuses_a_bad_override_before_the_model_loads(capsys, tmp_path):
+    from epd.cli.main import main
+
+    assert (
+        main(["ask", "--no-video", "q?", "--model", str(tmp_path), "--override-generation-config", "{"]) == 2
+    )
+    assert "--override-generation-config is not JSON" in capsys.readouterr().err
