@@ -70,7 +70,9 @@ def sampling_defaults(source: str, model: str | None, override_json: str = "") -
 
 def with_sampling_defaults(configured: GenerationConfig, defaults: Mapping[str, Any]) -> GenerationConfig:
     """`configured` with `defaults` (from `sampling_defaults`) in place of its sampling fields:
-    the defaults of every field a request leaves unset. top_k -1 (vLLM's off) is 0, as on every door."""
+    the defaults of every field a request leaves unset (vLLM's `default_sampling_params`; a field
+    the request sets wins, max_tokens too, as vLLM's `get_max_tokens`). top_k -1 (vLLM's off) is 0,
+    as on every door."""
     values = dict(defaults)
     if "top_k" in values:
         values["top_k"] = max(0, values["top_k"])
