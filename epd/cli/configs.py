@@ -129,7 +129,7 @@ def generation_options(args: argparse.Namespace) -> dict[str, Any]:
         for f in fields(generation)
         if f.name not in ("fit_max_new_tokens", "n")
     }
-    # Unset: the gateway's defaults (its --generation-config), where the wire can tell unset.
+    # Unset: left off the wire, for the gateway's defaults (its --generation-config).
     options.update({key: None for key in SAMPLING_KEYS if getattr(args, key) is None})
     options["logit_bias"] = dict(generation.logit_bias)
     options["allowed_token_ids"] = list(generation.allowed_token_ids) or None  # None: every token

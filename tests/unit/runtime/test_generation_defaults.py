@@ -14,6 +14,7 @@ import pytest
 
 from epd.cli import configs, stack_commands
 from epd.cli.main import build_parser
+from epd.client.request import build_header
 from epd.gateway.generation_options import parse_generation
 from epd.model_runtime.generation_defaults import announce, sampling_defaults, with_sampling_defaults
 from epd.model_runtime.sampling import GenerationConfig
@@ -113,17 +114,17 @@ def test_the_http_doors_take_the_defaults_and_a_field_the_request_sets_wins():
     assert given.max_new_tokens == 5 and not given.fit_max_new_tokens
 
 
-def test_grpc_takes_the_defaults_of_the_fields_it_can_tell_unset():
-    """top_p, repetition_penalty and max_new_tokens are 0 only when unset; temperature, top_k and
-    min_p have no presence on the wire (0 is greedy / off): an Ask request's own."""
-    defaults = with_sampling_defaults(GenerationConfig(), QWEN3_VL)
+def test_grpc_takes_the_defaults_of_the_fields_left_unset():
+    """temperature, top_k and min_p by their presence (0 is greedy / off: the SDK sends a given 0),
+    top_p, repetition_penalty and max_new_tokens by 0, which no request may send."""
+    defaults = with_sampling_defaults(GenerationConfig(), {**QWEN3_VL, "min_p": 0.05})
     unset = convert.generation_from_proto(common_pb2.GenerationParams(), defaults)
-    assert (unset.top_p, unset.repetition_penalty, unset.max_new_tokens) == (0.8, 1.05, 128)
-    assert (unset.temperature, unset.top_k) == (0.0, 0)
-    given = convert.generation_from_proto(
-        common_pb2.GenerationParams(top_p=0.5, repetition_penalty=1.0), defaults
-    )
-    assert (given.top_p, given.repetition_penalty) == (0.5, 1.0)
+    assert (unset.temperature, unset.top_p, unset.top_k, unset.min_p) == (0.7, 0.8, 20, 0.05)
+    assert (unset.repetition_penalty, unset.max_new_tokens) == (1.05, 128)
+    header = build_header("q?", 0, "", {"temperature": 0.0, "top_k": 0, "min_p": 0.0, "top_p": 0.5})
+    given = convert.generation_from_proto(header.generation, defaults)
+    assert (given.temperature, given.top_p, given.top_k, given.min_p) == (0.0, 0.5, 0, 0.0)
+    assert given.repetition_penalty == 1.05  # still unset
 
 
 def test_every_serve_form_builds_its_front_doors_defaults(tmp_path):
