@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from epd.gateway.embedded import EmbeddedPipeline
     from epd.gateway.pipeline import Pipeline
     from epd.model_runtime.config import ModelConfig
+    from epd.model_runtime.sampling import GenerationConfig
     from epd.prefill_svc.config import PrefillConfig
     from epd.stages.messages import ChatTemplateOptions, Message
     from epd.stages.raw_prompt import RawPrompt
@@ -49,6 +50,7 @@ async def ask_embedded(
     from epd.encoder_svc.config import EncoderConfig
     from epd.gateway.embedded import build_embedded_pipeline
     from epd.model_runtime.default_model import accuracy_notice, is_meaningless
+    from epd.model_runtime.generation_defaults import announce
     from epd.model_runtime.loader import resolve_model_path
     from epd.stages.raw_prompt import RawPrompt
 
@@ -69,13 +71,20 @@ async def ask_embedded(
     )
     if opened is not None:
         opened.append(pipeline)
+    # vLLM's `LLM.generate` too: the model's sampling defaults (`get_default_sampling_params`), read
+    # as the server's front door reads them, under the same max_tokens bounds.
+    defaults = pipeline.generation_defaults(configs.request_defaults(args, str(model_path)))
+    announce(defaults, args.generation_config)
 
     async def turns() -> AsyncIterator[tuple[str, AsyncGenerator[StreamEvent, None]]]:
         if prompt is not None:
-            yield "", _embedded_stream(args, pipeline, None, [], raw_prompt=RawPrompt(text=prompt))
+            yield "", _embedded_stream(args, pipeline, defaults, None, [], raw_prompt=RawPrompt(text=prompt))
             return
         if messages is not None:
-            yield "", _embedded_stream(args, pipeline, media, messages, template=template, tools=tools)
+            yield (
+                "",
+                _embedded_stream(args, pipeline, defaults, media, messages, template=template, tools=tools),
+            )
             return
         history = History(with_media=media is not None)
         async for question in questions_in_turn(args):
@@ -83,7 +92,7 @@ async def ask_embedded(
             yield (
                 question,
                 _embedded_stream(
-                    args, pipeline, media, history.messages_for(question), answer, template=template
+                    args, pipeline, defaults, media, history.messages_for(question), answer, template=template
                 ),
             )
             history.add(question, answer[0])
@@ -94,6 +103,7 @@ async def ask_embedded(
 async def _embedded_stream(
     args: argparse.Namespace,
     pipeline: Pipeline,
+    defaults: GenerationConfig,
     media: bytes | None,
     messages: list[Message],
     answer: list[str] | None = None,
@@ -102,7 +112,8 @@ async def _embedded_stream(
     tools: AskTools | None = None,
 ) -> AsyncGenerator[StreamEvent, None]:
     """The embedded pipeline's answer as the SDK's stream events (what a remote turn yields);
-    the answer's text is appended to `answer` for the caller's history. `raw_prompt`: instead
+    the answer's text is appended to `answer` for the caller's history. `defaults`: what the
+    generation flags left unset take (`configs.request_defaults`). `raw_prompt`: instead
     of `messages` (then []). `template`: how the chat template ends `messages` (None: the defaults).
     `tools`: rendered into the prompt, a forced choice's structured output on the answer."""
     from dataclasses import replace
@@ -115,7 +126,7 @@ async def _embedded_stream(
     from epd.stages.messages import ChatTemplateOptions
     from epd.stages.names import Stage
 
-    generation = configs.generation_config(args)
+    generation = configs.generation_config(args, defaults)
     template = template or ChatTemplateOptions()
     if tools is not None:
         template = replace(template, tools=tools.tools)

@@ -22,6 +22,7 @@ from epd.gateway.config import (
 )
 from epd.gateway.media_fetch import dns_host
 from epd.model_runtime.config import ModelConfig
+from epd.model_runtime.generation_defaults import SAMPLING_KEYS, sampling_defaults, with_sampling_defaults
 from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs
 from epd.model_runtime.threads import AUTO
 from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
@@ -83,19 +84,19 @@ def pruning_config(args: argparse.Namespace) -> PruningConfig:
         raise InvalidRequest(str(exc)) from None
 
 
-def generation_config(args: argparse.Namespace) -> GenerationConfig:
+def generation_config(args: argparse.Namespace, defaults: GenerationConfig | None = None) -> GenerationConfig:
+    """`epd ask`'s generation flags; the sampling flags left unset (`SAMPLING_KEYS`) take
+    `defaults`' values (embedded: the model's, `request_defaults`; else the server's own)."""
+    defaults = defaults or GenerationConfig()
+    unset = [key for key in SAMPLING_KEYS if getattr(args, key) is None]
     return GenerationConfig(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
+        **{key: getattr(defaults if key in unset else args, key) for key in SAMPLING_KEYS},
+        fit_max_new_tokens="max_new_tokens" in unset,  # as a request without max_tokens: fitted
         seed=args.seed,
         priority=args.priority,
         stop=tuple(args.stop),
-        repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
-        min_p=args.min_p,
         min_tokens=args.min_tokens,
         logit_bias=tuple(sorted(dict(args.logit_bias).items())),
         stop_token_ids=tuple(args.stop_token_id),
@@ -128,6 +129,8 @@ def generation_options(args: argparse.Namespace) -> dict[str, Any]:
         for f in fields(generation)
         if f.name not in ("fit_max_new_tokens", "n")
     }
+    # Unset: left off the wire, for the gateway's defaults (its --generation-config).
+    options.update({key: None for key in SAMPLING_KEYS if getattr(args, key) is None})
     options["logit_bias"] = dict(generation.logit_bias)
     options["allowed_token_ids"] = list(generation.allowed_token_ids) or None  # None: every token
     return options
@@ -374,8 +377,17 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
             load_refresh_interval_s=args.load_refresh_interval,
             http=http_api_config(args),
             sampling=sampling_options(args),
+            generation=request_defaults(args, model=None),  # no model folder: auto reads none
         )
     )
+
+
+def request_defaults(args: argparse.Namespace, model: str | None) -> GenerationConfig:
+    """The defaults of a request's unset generation fields: the server's, with the sampling ones
+    --generation-config and --override-generation-config give (vLLM's; `model`: the folder or hub
+    id auto reads). ValueError naming the flag: a file or value that cannot be used."""
+    defaults = sampling_defaults(args.generation_config, model, args.override_generation_config)
+    return with_sampling_defaults(GenerationConfig(), defaults)
 
 
 def colocated_gateway_config(args: argparse.Namespace) -> GatewayConfig:
@@ -402,6 +414,7 @@ def colocated_gateway_config(args: argparse.Namespace) -> GatewayConfig:
             body_timeout_s=args.body_timeout,
             max_upload_bytes=args.max_upload_bytes,
             sampling=sampling_options(args),
+            generation=request_defaults(args, args.model),
         )
     )  # the defaults of requests, as the encoder's own (`--fps`, ...)
 

@@ -104,11 +104,21 @@ def _service(args: argparse.Namespace):
 
         return decode.main(configs.decode_config(args))
     from epd.gateway import server as gateway
+    from epd.model_runtime.generation_defaults import announce
 
     if args.role is None:  # --colocate: the front door and the three stages in this process
         # Configs first (a bad flag value: ValueError, a usage error before anything starts).
-        return _colocated(configs.colocated_gateway_config(args), configs.colocated_stages(args))
-    return gateway.main(configs.gateway_config(args))
+        config = configs.colocated_gateway_config(args)
+        announce(config.generation, args.generation_config)
+        return _colocated(config, configs.colocated_stages(args))
+    config = configs.gateway_config(args)
+    announce(config.generation, args.generation_config)
+    if args.generation_config == "auto":  # `epd serve` names its model's folder for its gateway
+        log.warning(
+            "--generation-config auto: the gateway alone holds no model folder, so the model's sampling "
+            "defaults are not read; pass --generation-config MODEL_DIR (the folder of its generation_config.json)"
+        )
+    return gateway.main(config)
 
 
 async def _colocated(config, stages: ColocatedStages) -> None:

@@ -51,6 +51,9 @@ _GENERATION_OPTIONS = (
     "spaces_between_special_tokens", "logprobs", "prompt_logprobs", "priority", "return_prompt_token_ids",
 )  # fmt: skip
 _GENERATION_PRESENT = (
+    "temperature",  # unset: the gateway's default (the model's, --generation-config); 0 is greedy
+    "top_k",
+    "min_p",
     "seed",
     "skip_special_tokens",
     "spaces_between_special_tokens",

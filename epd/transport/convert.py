@@ -142,16 +142,20 @@ def generation_from_proto(msg: common_pb2.GenerationParams, defaults: Generation
         raise InvalidRequest(f"top_k must be >= 1, or 0 or -1 (vLLM's) for off, got {msg.top_k}")
     return GenerationConfig(
         max_new_tokens=msg.max_new_tokens or defaults.max_new_tokens,
-        temperature=msg.temperature,
-        top_p=msg.top_p or 1.0,
-        top_k=max(0, msg.top_k),  # -1 is off, as 0, on every door (the HTTP API's too)
+        # Unset fields take the front door's defaults (`--generation-config`): temperature, top_k
+        # and min_p by their presence (0 is greedy / off), top_p, repetition_penalty and
+        # max_new_tokens by 0, which no request may send (each is > 0).
+        temperature=msg.temperature if msg.HasField("temperature") else defaults.temperature,
+        top_p=msg.top_p or defaults.top_p,
+        # -1 is off, as 0, on every door (the HTTP API's too)
+        top_k=max(0, msg.top_k if msg.HasField("top_k") else defaults.top_k),
         seed=msg.seed if msg.HasField("seed") else None,
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,
-        repetition_penalty=msg.repetition_penalty or 1.0,
+        repetition_penalty=msg.repetition_penalty or defaults.repetition_penalty,
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
-        min_p=msg.min_p,
+        min_p=msg.min_p if msg.HasField("min_p") else defaults.min_p,
         min_tokens=msg.min_tokens,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         stop_token_ids=tuple(msg.stop_token_ids),

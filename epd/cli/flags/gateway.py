@@ -158,10 +158,31 @@ def add_http_api_flags(p: argparse.ArgumentParser, listen: bool = True) -> None:
     )
 
 
-GATEWAY_FLAGS: tuple[Callable[..., None], ...] = (
+def add_generation_config_flags(p: argparse.ArgumentParser) -> tuple[argparse.Action, ...]:
+    """vLLM's defaults of a request's unset sampling fields (`epd.model_runtime.generation_defaults`):
+    the front door's, as it resolves every door's requests (the gateway role, `epd serve`), and
+    embedded `epd ask`'s."""
+    from epd.model_runtime.generation_defaults import (
+        GENERATION_CONFIG_HELP,
+        OVERRIDE_GENERATION_CONFIG_HELP,
+    )
+
+    g = p.add_argument_group("request defaults")
+    return (
+        g.add_argument(
+            "--generation-config", default="auto", metavar="{auto,vllm,DIR}", help=GENERATION_CONFIG_HELP
+        ),
+        g.add_argument(
+            "--override-generation-config", default="", metavar="JSON", help=OVERRIDE_GENERATION_CONFIG_HELP
+        ),
+    )
+
+
+GATEWAY_FLAGS: tuple[Callable[..., object], ...] = (
     add_admission_flags,
     add_routing_flags,
     functools.partial(add_http_api_flags, listen=False),
+    add_generation_config_flags,
 )
 """The gateway role's flags `epd serve` takes too: one definition each, passed to the stack's
 gateway (`epd/cli/stack_commands.py` `gateway_flags`) or built into the colocated front door's config

@@ -11,10 +11,17 @@ from epd.cli.flags.arg_types import json_schema_file, knob, logit_bias, text_fil
 
 def add_generation_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("generation")
-    g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
+    # Unset (None), the sampling flags take the defaults of the model's generation_config.json
+    # (--generation-config), as a request's unset fields do: vLLM's `LLM.generate` and its server alike.
+    unset = " (default: the model's generation_config.json, see --generation-config; else {})"
+    g.add_argument("--max-new-tokens", type=int, default=None, help="tokens at most" + unset.format(32))
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy" + unset.format(0))
+    g.add_argument(
+        "--top-p", type=float, default=None, help="nucleus sampling's mass" + unset.format("1, off")
+    )
+    g.add_argument(
+        "--top-k", type=int, default=None, help="the k most likely tokens" + unset.format("0, off")
+    )
     g.add_argument("--seed", type=int, default=None, help="sampling's seed (default: a random one)")
     g.add_argument(
         "--priority",
@@ -46,16 +53,17 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--repetition-penalty",
         type=float,
-        default=1.0,
-        help="vLLM's, over the prompt's and the output's tokens: > 1 discourages repeats (1 = off)",
+        default=None,
+        help="vLLM's, over the prompt's and the output's tokens: > 1 discourages repeats"
+        + unset.format("1, off"),
     )
     g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
     g.add_argument(
         "--min-p",
         type=float,
-        default=0.0,
-        help="when sampling, drop tokens below MIN_P x the top token's probability (0 = off)",
+        default=None,
+        help="when sampling, drop tokens below MIN_P x the top token's probability" + unset.format("0, off"),
     )
     g.add_argument(
         "--min-tokens",

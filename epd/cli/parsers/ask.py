@@ -4,6 +4,7 @@ embedded), tools and TLS, and the request's flags (`epd.cli.flags.request`)."""
 from __future__ import annotations
 
 from epd.cli.flags.arg_types import env, positive_seconds
+from epd.cli.flags.gateway import add_generation_config_flags
 from epd.cli.flags.media import add_sampling_flags
 from epd.cli.flags.model import add_model_flags, add_preload_flags
 from epd.cli.flags.modes import EMBEDDED, ENDPOINT, serves_only
@@ -193,6 +194,11 @@ def add_ask_command(sub) -> None:
         "the embedded model's prompt template; a gateway's prompts render with the template its prefill "
         "was started with (its --chat-template)",
         chat_template,
+    )
+    serves_only(
+        EMBEDDED,
+        "the defaults of the model epd ask loads itself; a gateway's come from its own --generation-config",
+        *add_generation_config_flags(ask),
     )
     add_generation_flags(ask)
     add_sampling_flags(ask)

@@ -79,6 +79,11 @@ def restored_process():
         (["--max-requests-per-api-key", "-2"], "--max-requests-per-api-key must be >= 0"),
         (["--max-inflight-body-bytes", "5"], "--max-inflight-body-bytes 5 is below the largest request body"),
         (["--api-key", ""], "epd serve gateway: --api-key is empty"),  # was a traceback, exit 1
+        (
+            ["--override-generation-config", "{"],
+            "epd serve gateway: --override-generation-config is not JSON",
+        ),
+        (["--generation-config", "/no/such/folder"], "no generation_config.json in that folder"),
     ],
 )
 def test_a_gateway_limit_it_refuses_is_one_line_and_exit_2(capsys, restored_process, flags, expected):

@@ -125,16 +125,21 @@ def test_every_flag_the_gateway_shares_with_the_stack_has_the_same_default_and_h
     args = _stack([])
     gateway = _parsed(stack_commands(args)["gateway"])
     alone = build_parser().parse_args(["serve", "gateway"])
+    # But --generation-config auto, the model's folder: the gateway holds none, so it is named
+    # (/m has no generation_config.json: vllm, no defaults either way).
+    assert (gateway.generation_config, args.generation_config) == ("vllm", "auto")
     for action in shared.values():
-        assert getattr(gateway, action.dest) == getattr(alone, action.dest) == getattr(args, action.dest), (
-            action.dest
-        )
+        if action.dest != "generation_config":
+            assert (
+                getattr(gateway, action.dest) == getattr(alone, action.dest) == getattr(args, action.dest)
+            ), action.dest
     # Every flag goes on the gateway's command line, but one whose unset value is None
     # (--reasoning-parser: off) or a switch left off (--enable-auto-tool-choice), which the
     # role's own default says alike.
     passed = {flag for flag, action in shared.items() if action.default not in (None, False)}
+    named = argparse.Namespace(**{**vars(args), "generation_config": "vllm"})
     assert set(flag_words(args, GATEWAY_FLAGS)) >= passed and gateway_flags(args) == flag_words(
-        args, GATEWAY_FLAGS
+        named, GATEWAY_FLAGS
     )
 
 
