@@ -17,6 +17,7 @@ from epd.gateway.config import (
     HttpApiConfig,
     MediaFetchConfig,
     SharedModelSchedule,
+    StructuredOutputsConfig,
     WebDemoConfig,
     open_without_key,
 )
@@ -374,6 +375,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
             load_refresh_interval_s=args.load_refresh_interval,
             http=http_api_config(args),
             sampling=sampling_options(args),
+            structured_outputs=structured_outputs_config(args),
         )
     )
 
@@ -402,8 +404,15 @@ def colocated_gateway_config(args: argparse.Namespace) -> GatewayConfig:
             body_timeout_s=args.body_timeout,
             max_upload_bytes=args.max_upload_bytes,
             sampling=sampling_options(args),
+            structured_outputs=structured_outputs_config(args),
         )
     )  # the defaults of requests, as the encoder's own (`--fps`, ...)
+
+
+def structured_outputs_config(args: argparse.Namespace) -> StructuredOutputsConfig:
+    """--structured-outputs-config (checked by its flag's type: `structured_outputs_config`)."""
+    text = args.structured_outputs_config
+    return StructuredOutputsConfig() if text is None else StructuredOutputsConfig.from_json(text)
 
 
 def checked_gateway(config: GatewayConfig) -> GatewayConfig:

@@ -14,7 +14,13 @@ from epd.cli.flags.arg_types import (
     positive_seconds,
     seconds,
 )
-from epd.cli.flags.gateway import GATEWAY_FLAGS, add_admission_flags, add_http_api_flags, add_routing_flags
+from epd.cli.flags.gateway import (
+    GATEWAY_FLAGS,
+    add_admission_flags,
+    add_http_api_flags,
+    add_routing_flags,
+    add_structured_outputs_flags,
+)
 from epd.cli.flags.media import add_decode_limit_flags, add_max_upload_bytes_flag, add_sampling_flags
 from epd.cli.flags.model import COMPILING_ROLES, add_model_flags, add_preload_flags
 from epd.cli.flags.modes import COLOCATED, STACK, serves_only
@@ -159,6 +165,7 @@ def _add_gateway_role(roles) -> None:
     add_admission_flags(gw)
     add_routing_flags(gw)
     add_http_api_flags(gw)  # with its listen flags: GATEWAY_FLAGS' without them
+    add_structured_outputs_flags(gw)
     demo = gw.add_argument_group("web demo (POST /demo/frames decodes the frames it shows in the gateway)")
     demo.add_argument(
         "--demo-max-concurrent-decodes",
