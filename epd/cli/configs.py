@@ -17,6 +17,7 @@ from epd.gateway.config import (
     HttpApiConfig,
     MediaFetchConfig,
     SharedModelSchedule,
+    StructuredOutputsConfig,
     WebDemoConfig,
     open_without_key,
 )
@@ -378,6 +379,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
             http=http_api_config(args),
             sampling=sampling_options(args),
             generation=request_defaults(args, model=None),  # no model folder: auto reads none
+            structured_outputs=structured_outputs_config(args),
         )
     )
 
@@ -415,8 +417,15 @@ def colocated_gateway_config(args: argparse.Namespace) -> GatewayConfig:
             max_upload_bytes=args.max_upload_bytes,
             sampling=sampling_options(args),
             generation=request_defaults(args, args.model),
+            structured_outputs=structured_outputs_config(args),
         )
     )  # the defaults of requests, as the encoder's own (`--fps`, ...)
+
+
+def structured_outputs_config(args: argparse.Namespace) -> StructuredOutputsConfig:
+    """--structured-outputs-config (checked by its flag's type: `structured_outputs_config`)."""
+    text = args.structured_outputs_config
+    return StructuredOutputsConfig() if text is None else StructuredOutputsConfig.from_json(text)
 
 
 def checked_gateway(config: GatewayConfig) -> GatewayConfig:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from epd.cli.flags.gateway import joined_dotted_flags
 from epd.cli.flags.modes import command_parser, command_tokens, ignored_flags_problem
 from epd.cli.parsers.root import build_parser
 from epd.cli.parsers.serve import flags_before_role
@@ -16,8 +17,11 @@ from epd.cli.secret_flags import hide_secrets_from_ps
 def parse_command(argv: list[str] | None = None) -> argparse.Namespace:
     """`epd`'s command line (`argv`, or the process's own) parsed, or exit 2 saying what to change."""
     parser = build_parser()
-    args = parser.parse_args(argv)
-    given = list(sys.argv[1:] if argv is None else argv)
+    try:  # vLLM's dotted form of a JSON flag, as one JSON word
+        given = joined_dotted_flags(list(sys.argv[1:] if argv is None else argv))
+    except ValueError as exc:
+        parser.error(str(exc))
+    args = parser.parse_args(given)
     if args.command == "serve" and args.role and (early := flags_before_role(given)):
         parser.error(
             f"{' '.join(early)} before the role {args.role!r} would be ignored: a service's flags come "

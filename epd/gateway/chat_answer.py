@@ -12,7 +12,7 @@ from typing import Any
 
 from epd.gateway.ask_types import AskSummary, ChoiceSummary
 from epd.gateway.logprobs_protocol import chat_logprobs, prompt_logprobs_json
-from epd.gateway.reasoning import MarkerIdsReader, PartedAnswers, message_fields, part_answers
+from epd.gateway.reasoning import MarkerIdsReader, PartedAnswers, ReasoningSplit, message_fields, part_answers
 from epd.gateway.summary_fields import epd_details, usage
 from epd.gateway.tool_parsers.answer import answer_tool_calls, tool_finish_reason
 from epd.gateway.tool_request import ToolChoice
@@ -102,14 +102,29 @@ def _message(
     generated text's, as the stream, which sends chat's echo in a chunk of its own, reads them)."""
     if parted is None:
         content: str | None = choice.answer
-        fields: dict[str, Any] = {}
+        reasoning = message_fields(ReasoningSplit(None, content), include_reasoning)
     else:
         split = parted.split(choice.index)
         content = split.content
-        fields = message_fields(split, include_reasoning)
+        reasoning = message_fields(split, include_reasoning)
     content, calls = answer_tool_calls(content, tool_choice)
     if echoed:
         content = echoed + (content or "")
+    # vLLM's `ChatMessage` dumped whole (`model_dump()`), in its fields' order: the OpenAI fields
+    # it never sets null, `tool_calls` only when there are calls (its serializer drops an empty
+    # list), its `reasoning` null without a reasoning parser too (ours, `reasoning_content`, with it)
+    message: dict[str, Any] = {"role": role, "content": content, **UNSET_MESSAGE_FIELDS}
     if calls:
-        fields["tool_calls"] = [call.to_json() for call in calls]
-    return {"role": role, "content": content, **fields}, len(calls)
+        message["tool_calls"] = [call.to_json() for call in calls]
+    return {**message, **reasoning}, len(calls)
+
+
+UNSET_MESSAGE_FIELDS: dict[str, None] = {
+    "refusal": None,
+    "annotations": None,
+    "audio": None,
+    "function_call": None,
+}
+"""The whole chat message's fields vLLM's `ChatMessage` has and leaves unset, written null as its
+`model_dump()` writes them (`vllm/entrypoints/openai/chat_completion/protocol.py`): a model
+writes no refusal, annotation or audio here, and a function call is a tool call."""

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from epd.gateway.dns_replicas import DNS_REFRESH_INTERVAL_S, parse_dns_entry
+from epd.gateway.json_fields import lax_value
 from epd.gateway.reasoning import REASONING_PARSERS
 from epd.gateway.tool_parsers.stream import TOOL_CALL_PARSERS
 from epd.model_runtime.sampling import GenerationConfig
@@ -167,6 +170,96 @@ class HttpApiConfig:
             )
 
 
+_ASKING_NOTHING: dict[str, tuple[Any, str]] = {
+    "disable_additional_properties": (
+        False,
+        'the guidance backend\'s; set "additionalProperties": false in the schema',
+    ),
+    "enable_in_reasoning": (False, "a constraint starts after the reasoning here: vLLM's default, false"),
+    "reasoning_parser": ("", "use --reasoning-parser"),
+    "reasoning_parser_plugin": ("", "parser plugins are not supported"),
+}
+"""vLLM's `StructuredOutputsConfig` keys epd does not act on, with the value that asks for nothing
+(taken) and what to do instead (any other value: exit 2)."""
+
+
+def _asks_nothing(value: Any, nothing: Any) -> bool:
+    """Whether a key's `value` is its default (`nothing`), a bool read as vLLM's pydantic reads one."""
+    if isinstance(nothing, bool):
+        return lax_value(value, bool) is False
+    return value in (nothing, None)
+
+
+_XGRAMMAR_BACKENDS = ("auto", "xgrammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """vLLM's `--structured-outputs-config` (`vllm/config/structured_outputs.py`), the keys epd acts
+    on: options of every request's structured output, applied by the front door (`applied`), so
+    that prefill and decode compile the same spec."""
+
+    disable_any_whitespace: bool = False
+    """JSON constraints (a schema, json_object, a forced tool call's) without free whitespace between
+    their tokens: small models otherwise fill an object with newlines and spaces until max_tokens
+    (the embedded default model does). A request's own `structured_outputs.disable_any_whitespace`
+    cannot turn it off: vLLM's xgrammar backend reads the server's alone."""
+
+    def applied(self, generation: GenerationConfig) -> GenerationConfig:
+        """`generation` with this server's options on its structured output, if it has one."""
+        spec = generation.structured_outputs
+        if spec is None or not self.disable_any_whitespace or spec.disable_any_whitespace:
+            return generation
+        return replace(generation, structured_outputs=replace(spec, disable_any_whitespace=True))
+
+    @classmethod
+    def from_json(cls, text: str) -> StructuredOutputsConfig:
+        """The flag's JSON object, read as vLLM's pydantic config reads it (bools laxly: true, "yes",
+        1); ValueError naming the keys epd does not take, or saying what is not JSON."""
+        try:
+            given = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"is not JSON ({exc.msg} at character {exc.pos}): give an object such as "
+                "'{\"disable_any_whitespace\": true}'"
+            ) from None
+        if not isinstance(given, dict):
+            raise ValueError(
+                f"must be a JSON object such as '{{\"disable_any_whitespace\": true}}', got {text!r}"
+            )
+        unknown = [
+            key
+            for key in given
+            if key not in ("disable_any_whitespace", "backend", "disable_fallback", *_ASKING_NOTHING)
+        ]
+        if unknown:
+            raise ValueError(
+                f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: this server "
+                "acts on disable_any_whitespace, and takes vLLM's backend, disable_fallback, "
+                f"{', '.join(_ASKING_NOTHING)} where they ask for nothing else"
+            )
+        unsupported = [
+            f"{key} ({why})"
+            for key, (nothing, why) in _ASKING_NOTHING.items()
+            if key in given and not _asks_nothing(given[key], nothing)
+        ]
+        backend = given.get("backend", "auto")
+        if backend not in _XGRAMMAR_BACKENDS:
+            unsupported.append(f'backend {backend!r} (this server\'s is xgrammar: "xgrammar" or "auto")')
+        if unsupported:
+            raise ValueError(f"not supported by this server: {'; '.join(unsupported)}")
+        flags = {}
+        for key in ("disable_any_whitespace", "disable_fallback"):  # disable_fallback: none to disable
+            flags[key] = lax_value(given.get(key, False), bool)
+            if flags[key] is None:
+                raise ValueError(f"{key} must be true or false, got {json.dumps(given[key])}")
+        return cls(disable_any_whitespace=bool(flags["disable_any_whitespace"]))
+
+    def to_json(self) -> str:
+        """The flag's value that gives this config (the stack passes it on to its gateway)."""
+        return json.dumps({"disable_any_whitespace": self.disable_any_whitespace})
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=DEFAULT_PORT))
@@ -248,6 +341,8 @@ class GatewayConfig:
     """Defaults for generation fields a request leaves unset."""
     http: HttpApiConfig = field(default_factory=HttpApiConfig)
     """The OpenAI-compatible HTTP API (off while `http.port` is None)."""
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    """Options of every request's structured output (`--structured-outputs-config`), on both APIs."""
 
 
 def open_without_key(config: GatewayConfig) -> str | None:

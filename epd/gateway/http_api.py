@@ -400,6 +400,7 @@ class HttpApi:
             self.config.sampling,
             self.pipeline.generation_defaults(self.config.generation),
         )
+        chat.generation = self.config.structured_outputs.applied(chat.generation)  # the server's options
         if chat.raw_prompt is None:  # legacy completions are not parted: they go on working
             chat.parser_on = self.config.http.parser_on
             self._check_reasoning_parser()

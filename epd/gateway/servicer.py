@@ -166,8 +166,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 template=convert.template_from_proto(header.template),
                 media=media_input(header, data),
                 sampling=convert.sampling_from_proto(header.sampling, self.config.sampling, from_client=True),
-                generation=convert.generation_from_proto(
-                    header.generation, self.pipeline.generation_defaults(self.config.generation)
+                generation=self.config.structured_outputs.applied(  # the server's options
+                    convert.generation_from_proto(
+                        header.generation, self.pipeline.generation_defaults(self.config.generation)
+                    )
                 ),
                 request_id=tracing.adopt_request_id(header.request_id),
                 pruning=convert.pruning_from_proto(header.pruning),

@@ -8,7 +8,12 @@ one `StructuredOutputs` (a JSON body, chat completions' and legacy completions' 
                      "grammar": "EBNF"} (one of them) and "disable_any_whitespace"
     guided_json / guided_regex / guided_choice / guided_grammar  vLLM's older names of the same
 
-A request may ask in one of these ways only (400 naming the fields it sent). What this server does
+A request asks in one of these ways, or with `response_format` beside `structured_outputs` (or a
+`guided_*` field), which vLLM merges (`structured_outputs_from_response_format`,
+`vllm/entrypoints/generate/base/protocol.py`): response_format's constraint replaces the same one
+of structured_outputs' (json_schema its `json`, json_object its `json_object`), keeping its
+options; a different one is two constraints, vLLM's 400; so is structured_outputs beside a
+`guided_*` field (400 naming the fields it sent). What this server does
 not implement (vLLM's `structural_tag`, `whitespace_pattern`, ...) is refused here, by name; the
 sizes by the pipeline's check before any media is encoded (`StructuredOutputs.validate`); what
 xgrammar cannot compile by prefill, with the compiler's reason (the gateway needs no xgrammar).
@@ -17,6 +22,7 @@ xgrammar cannot compile by prefill, with the compiler's reason (the gateway need
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from epd.gateway.json_fields import boolean_field, checked_text, lax_value, shown_value
@@ -42,18 +48,42 @@ def parse_structured_outputs(body: dict) -> StructuredOutputs | None:
     asked = [name for name in STRUCTURED_FIELDS if _asks(name, body.get(name))]
     if not asked:
         return None
-    if len(asked) > 1:
+    base = [name for name in asked if name != "response_format"]
+    if len(base) > 1:
         raise InvalidRequest(
-            f"structured outputs are asked for by {', '.join(repr(n) for n in asked)}; send one of them"
+            f"structured outputs are asked for by {', '.join(repr(n) for n in base)}; send one of them"
         )
-    name = asked[0]
-    value = body[name]
-    if name == "response_format":
-        return _response_format(value)
+    override = _response_format(body["response_format"]) if "response_format" in asked else None
+    if not base:
+        return override
+    name = base[0]
     if name == "structured_outputs":
-        return _structured_object(value)
+        return _structured_object(body[name], override)
     kind = name.removeprefix("guided_")
-    return _constraint(kind, value, name)
+    if override is not None:
+        # vLLM before v0.12 read them so too: response_format's schema replaced guided_json, and
+        # anything else beside it was two constraints
+        _check_merge(override, kind, name)
+        return override
+    return _constraint(kind, body[name], name)
+
+
+_REPLACES = {"json_schema": "json", "json_object": "json_object"}
+"""response_format's constraint (`StructuredOutputs.kind`) -> the field of structured_outputs it
+replaces when both are sent (vLLM's `structured_outputs_from_response_format`)."""
+
+
+def _check_merge(override: StructuredOutputs, kind: str, label: str) -> None:
+    """InvalidRequest unless response_format's constraint (`override`) replaces the request's other
+    one, `kind` (sent as `label`): two different constraints are vLLM's 400 too
+    (`StructuredOutputsParams.__post_init__`, "only use one kind")."""
+    replaced = _REPLACES[override.kind]
+    if kind != replaced:
+        raise InvalidRequest(
+            f"response_format asks for {override.kind} and '{label}' for {kind}: two constraints; send "
+            f"one of them (response_format replaces only the same constraint: json_schema replaces "
+            f"structured_outputs.json, json_object replaces structured_outputs.json_object)"
+        )
 
 
 def _asks(name: str, value: Any) -> bool:
@@ -86,7 +116,9 @@ def _response_format(value: Any) -> StructuredOutputs:
     )
 
 
-def _structured_object(value: Any) -> StructuredOutputs:
+def _structured_object(value: Any, override: StructuredOutputs | None = None) -> StructuredOutputs:
+    """structured_outputs' one constraint and its options; with `override` (response_format's
+    constraint, sent beside it) that constraint in place of its own (`_check_merge`)."""
     if not isinstance(value, dict):
         raise InvalidRequest(
             '\'structured_outputs\' must be an object such as {"json": {...}}, {"regex": "..."}, '
@@ -112,6 +144,10 @@ def _structured_object(value: Any) -> StructuredOutputs:
         value, "disable_any_whitespace", False, "structured_outputs.disable_any_whitespace"
     )
     boolean_field(value, "disable_fallback", False, "structured_outputs.disable_fallback")  # no fallback here
+    if override is not None:
+        # vLLM's `replace(structured_outputs, **overrides)`: the value replaced is not read
+        _check_merge(override, given[0], f"structured_outputs.{given[0]}")
+        return replace(override, disable_any_whitespace=disable_whitespace)
     constraint = _constraint(given[0], value[given[0]], f"structured_outputs.{given[0]}")
     return StructuredOutputs(
         json_schema=constraint.json_schema,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 
+from epd.gateway.chat_answer import UNSET_MESSAGE_FIELDS
 from tests.integration.test_continue_final_message import CHAT, VIDEO_EARLIER, continued_over_http
 from tests.local_http import post_json, sse_chunks
 
@@ -32,7 +33,9 @@ def test_echo_gives_back_the_whole_continued_message_plain_and_streamed(
     status, reply = post_json(port, CHAT, body)
     assert status == 200, reply
     choice = reply["choices"][0]
-    assert choice["message"] == {"role": "assistant", "content": GIVEN + text}
+    assert choice["message"] == {
+        "role": "assistant", "content": GIVEN + text, **UNSET_MESSAGE_FIELDS, "reasoning": None, "reasoning_content": None
+    }  # fmt: skip
     assert choice["token_ids"] == want and reply["epd"]["token_ids"] == want
     assert reply["usage"]["completion_tokens"] == len(want)
     assert reply["usage"]["prompt_tokens"] == len(prompt_ids)

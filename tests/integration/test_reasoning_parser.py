@@ -20,6 +20,7 @@ from collections.abc import Callable
 import pytest
 from transformers import AutoTokenizer
 
+from epd.gateway.chat_answer import UNSET_MESSAGE_FIELDS
 from epd.gateway.config import GatewayConfig, HttpApiConfig
 from epd.gateway.embedded import build_embedded_pipeline
 from epd.model_runtime.config import ModelConfig
@@ -241,7 +242,9 @@ def test_the_stack_parts_a_thinking_answer_into_reasoning_and_content(qwen3_5, t
         port = stack.http_port
         reply = _chat(port, _body(allowed_token_ids=allowed))
         assert reply["epd"]["token_ids"] == ids
-        assert reply["choices"][0]["message"] == {"role": "assistant", "content": decode(ids)}  # whole
+        assert reply["choices"][0]["message"] == {  # whole, vLLM's reasoning null
+            "role": "assistant", "content": decode(ids), **UNSET_MESSAGE_FIELDS, "reasoning": None, "reasoning_content": None
+        }  # fmt: skip
         assert "completion_tokens_details" not in reply["usage"]  # vLLM's: only with a parser
         chunks = _stream(port, _body(allowed_token_ids=allowed))
         assert _joined(chunks, "content") == decode(ids) and _joined(chunks, "reasoning") is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 from collections.abc import Callable
 
 from epd.cli.flags.arg_types import addresses, env, http_port, positive_seconds, seconds
@@ -178,11 +179,90 @@ def add_generation_config_flags(p: argparse.ArgumentParser) -> tuple[argparse.Ac
     )
 
 
+STRUCTURED_OUTPUTS_CONFIG = "--structured-outputs-config"
+
+
+def structured_outputs_config(text: str) -> str:
+    """--structured-outputs-config: a JSON object of vLLM's keys (`StructuredOutputsConfig.from_json`),
+    kept as the JSON of the keys epd acts on, which the stack passes on to its gateway."""
+    from epd.gateway.config import StructuredOutputsConfig
+
+    try:
+        return StructuredOutputsConfig.from_json(text).to_json()
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_structured_outputs_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's server-wide structured-output options (the gateway role, and `epd serve` for its
+    gateway or the colocated front door): the front door applies them to every request's spec."""
+    g = p.add_argument_group("structured outputs")
+    g.add_argument(
+        STRUCTURED_OUTPUTS_CONFIG,
+        type=structured_outputs_config,
+        default=None,
+        metavar="JSON",
+        help="vLLM's: '{\"disable_any_whitespace\": true}' (or --structured-outputs-config.disable_any_whitespace "
+        "true) holds every JSON constraint to no free whitespace (small models otherwise pad JSON with it "
+        "until max_tokens); vLLM's backend (xgrammar or auto) and disable_fallback are taken and change "
+        "nothing, its other keys are refused unless they ask for nothing",
+    )
+
+
+def joined_dotted_flags(words: list[str]) -> list[str]:
+    """`words` with vLLM's dotted form of a JSON flag (`--structured-outputs-config.KEY VALUE` or
+    `--structured-outputs-config.KEY=VALUE`, the value JSON or else text, as vLLM's
+    `FlexibleArgumentParser` reads it) joined into one `--structured-outputs-config JSON`, at
+    the place of the flag's first word, over a JSON object given whole (one that is not JSON is left
+    to the flag's check to refuse). ValueError: a dotted key with no value."""
+    prefix = STRUCTURED_OUTPUTS_CONFIG + "."
+    if not any(word.startswith(prefix) for word in words):
+        return words
+    whole_keys: dict[str, object] = {}
+    dotted: dict[str, object] = {}
+    out: list[str] = []
+    at = None
+    rest = iter(words)
+    for word in rest:
+        if word == "--":
+            out += [word, *rest]
+            break
+        name, eq, value = word.partition("=")
+        if name.startswith(prefix) or name == STRUCTURED_OUTPUTS_CONFIG:
+            if not eq:
+                following = next(rest, None)
+                if following is None:
+                    raise ValueError(f"{name} needs a value (e.g. {prefix}disable_any_whitespace true)")
+                value = following
+            if name == STRUCTURED_OUTPUTS_CONFIG:
+                try:
+                    whole = json.loads(value)
+                except json.JSONDecodeError:
+                    whole = None
+                if not isinstance(whole, dict):
+                    out += [name, value]  # refused by the flag's own check, with its message
+                    continue
+                whole_keys.update(whole)
+            else:
+                try:
+                    dotted[name.removeprefix(prefix)] = json.loads(value)
+                except json.JSONDecodeError:
+                    dotted[name.removeprefix(prefix)] = value
+            if at is None:
+                at = len(out)
+            continue
+        out.append(word)
+    assert at is not None
+    out[at:at] = [STRUCTURED_OUTPUTS_CONFIG, json.dumps({**whole_keys, **dotted})]
+    return out
+
+
 GATEWAY_FLAGS: tuple[Callable[..., object], ...] = (
     add_admission_flags,
     add_routing_flags,
     functools.partial(add_http_api_flags, listen=False),
     add_generation_config_flags,
+    add_structured_outputs_flags,
 )
 """The gateway role's flags `epd serve` takes too: one definition each, passed to the stack's
 gateway (`epd/cli/stack_commands.py` `gateway_flags`) or built into the colocated front door's config

@@ -20,6 +20,7 @@ from epd.cli.flags.gateway import (
     add_generation_config_flags,
     add_http_api_flags,
     add_routing_flags,
+    add_structured_outputs_flags,
 )
 from epd.cli.flags.media import add_decode_limit_flags, add_max_upload_bytes_flag, add_sampling_flags
 from epd.cli.flags.model import COMPILING_ROLES, add_model_flags, add_preload_flags
@@ -166,6 +167,7 @@ def _add_gateway_role(roles) -> None:
     add_routing_flags(gw)
     add_http_api_flags(gw)  # with its listen flags: GATEWAY_FLAGS' without them
     add_generation_config_flags(gw)  # auto: no model folder here, none (the stack passes its model's)
+    add_structured_outputs_flags(gw)
     demo = gw.add_argument_group("web demo (POST /demo/frames decodes the frames it shows in the gateway)")
     demo.add_argument(
         "--demo-max-concurrent-decodes",

@@ -10,7 +10,7 @@ import pytest
 
 from epd.client import build_header
 from epd.gateway.ask_types import AskSummary
-from epd.gateway.chat_answer import completion_body
+from epd.gateway.chat_answer import UNSET_MESSAGE_FIELDS, completion_body
 from epd.gateway.chat_request import parse_chat_request
 from epd.gateway.completions_protocol import parse_completion_request
 from epd.gateway.http_errors import http_status_of
@@ -18,6 +18,8 @@ from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.errors import InvalidRequest
 from epd.transport.errors import status_of
 from epd.video.types import SamplingOptions
+
+NO_REASONING = {"reasoning": None, "reasoning_content": None}  # vLLM's null without a parser
 
 MODEL = "epd"
 QUESTION = {"role": "user", "content": "name a colour"}
@@ -68,7 +70,12 @@ def test_the_echoed_text_is_the_last_messages_when_its_role_is_the_answers(body,
     whole = completion_body(
         summary(), MODEL, role=request.response_role, echoed=request.echoed_text, return_token_ids=True
     )
-    assert whole["choices"][0]["message"] == {"role": role, "content": echoed + " red"}
+    assert whole["choices"][0]["message"] == {
+        "role": role,
+        "content": echoed + " red",
+        **UNSET_MESSAGE_FIELDS,
+        **NO_REASONING,
+    }
     # Usage and the token ids are the generated ones alone, as vLLM's.
     assert whole["usage"]["completion_tokens"] == 2 and whole["choices"][0]["token_ids"] == [5, 6]
     assert whole["epd"]["token_ids"] == [5, 6]

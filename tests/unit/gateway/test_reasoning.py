@@ -130,14 +130,23 @@ def _parted(answer: str, **fields) -> dict:
     return completion_body(_summary(answer), "m", created=1, steps=[TokenStep([5, 6, 7], answer)], **fields)
 
 
-def test_a_chat_message_carries_the_parts_and_the_flag_off_leaves_it_as_it_was():
+def test_a_chat_message_is_vllms_whole_message_with_or_without_the_parser():
+    """vLLM dumps its `ChatMessage` whole: the fields it leaves unset null, in its order, and
+    `reasoning` null without a reasoning parser too (it had no reasoning key then)."""
     answer = "\nplan</think>\n\nred"
     plain = completion_body(_summary(answer), "m", created=1)
-    assert plain["choices"][0]["message"] == {"role": "assistant", "content": answer}
+    unset = {"refusal": None, "annotations": None, "audio": None, "function_call": None}
+    assert plain["choices"][0]["message"] == {
+        "role": "assistant", "content": answer, **unset, "reasoning": None, "reasoning_content": None
+    }  # fmt: skip
+    assert list(plain["choices"][0]["message"]) == [
+        "role", "content", "refusal", "annotations", "audio", "function_call", "reasoning", "reasoning_content"
+    ]  # fmt: skip
     parted = _parted(answer, thinking=True)
     assert parted["choices"][0]["message"] == {
         "role": "assistant",
         "content": "\n\nred",
+        **unset,
         "reasoning": "\nplan",
         "reasoning_content": "\nplan",
     }
@@ -147,6 +156,7 @@ def test_a_chat_message_carries_the_parts_and_the_flag_off_leaves_it_as_it_was()
     assert hidden["choices"][0]["message"] == {
         "role": "assistant",
         "content": "\n\nred",
+        **unset,
         "reasoning": None,
         "reasoning_content": None,
     }

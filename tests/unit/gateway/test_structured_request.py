@@ -52,6 +52,30 @@ def test_each_way_of_asking_reads_as_one_constraint(fields, want):
     assert structured(**fields) == want
 
 
+OTHER_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize(("fields", "want"), [
+    # response_format's constraint replaces the same one of structured_outputs', whose options
+    # stay (vLLM's `structured_outputs_from_response_format`: `replace(structured_outputs, ...)`)
+    ({"structured_outputs": {"json": OTHER_SCHEMA, "disable_any_whitespace": True},
+      "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}},
+     StructuredOutputs(json_schema=SCHEMA_TEXT, disable_any_whitespace=True)),
+    ({"structured_outputs": {"json_object": False}, "response_format": {"type": "json_object"}},
+     StructuredOutputs(json_object=True)),
+    ({"structured_outputs": {"json_object": True, "disable_any_whitespace": "yes"},
+      "response_format": {"type": "json_object"}},
+     StructuredOutputs(json_object=True, disable_any_whitespace=True)),
+    # "text" asks for nothing: structured_outputs alone
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "text"}}, StructuredOutputs(regex="a")),
+    # vLLM before v0.12: response_format's schema replaced guided_json
+    ({"guided_json": OTHER_SCHEMA, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}},
+     StructuredOutputs(json_schema=SCHEMA_TEXT)),
+])  # fmt: skip
+def test_response_format_beside_structured_outputs_is_merged_as_vllm_merges_them(fields, want):
+    assert structured(**fields) == want
+
+
 def test_legacy_completions_read_them_too():
     body = {"model": "epd", "prompt": "Colours:", "guided_choice": ["red", "blue"]}
     request = parse_completion_request(body, "epd", SamplingOptions(), GenerationConfig())
@@ -60,7 +84,16 @@ def test_legacy_completions_read_them_too():
 
 @pytest.mark.parametrize(("fields", "message"), [
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"},
-     "asked for by 'response_format', 'guided_regex'; send one of them"),
+     "response_format asks for json_object and 'guided_regex' for regex: two constraints; send one"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"json": SCHEMA}},
+     "response_format asks for json_object and 'structured_outputs.json' for json: two constraints"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
+      "structured_outputs": {"regex": "a"}}, "'structured_outputs.regex' for regex: two constraints"),
+    # structured_outputs must hold its own one constraint (vLLM's pydantic model refuses none)
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"disable_any_whitespace": True}},
+     "got none"),
+    ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"},
+     "asked for by 'structured_outputs', 'guided_regex'; send one of them"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one of json, json_object, regex"),
     ({"structured_outputs": {}}, "got none"),
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag: structural tags"),
