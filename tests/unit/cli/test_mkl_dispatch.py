@@ -1,7 +1,7 @@
 """`epd serve --mkl-dispatch`: the plan (epd/cli/mkl_dispatch.py), its library built for real with
 the machine's C compiler, the two preloads planned into one exec (epd/cli/preload.py), and the
 start-up note on MKL's kernels (epd/model_runtime/mkl_kernels.py). The served process itself is
-tested in tests/e2e/test_cli.py."""
+tested in tests/e2e/test_cli_serve.py."""
 
 from __future__ import annotations
 
