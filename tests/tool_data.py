@@ -1,6 +1,6 @@
 """The tools, tool history and tool-reading chat template that tests of tool calling share: the
 chat API's (tests/integration/test_tool_calls.py), the Responses API's, the request parser's and
-`epd ask --tools`' (tests/e2e/test_cli.py)."""
+`epd ask --tools`' (tests/e2e/test_cli_tools.py)."""
 
 from __future__ import annotations
 

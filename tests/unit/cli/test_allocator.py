@@ -1,6 +1,6 @@
 """`--allocator` (`epd serve`, `epd ask` embedded): what the process does about its malloc before
 anything else (epd/cli/allocator.py). The processes themselves (the colocated server and the stack's
-services on tcmalloc where it is installed) are tested in tests/e2e/test_cli.py."""
+services on tcmalloc where it is installed) are tested in tests/e2e/test_cli_serve.py."""
 
 from __future__ import annotations
 

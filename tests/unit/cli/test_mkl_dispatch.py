@@ -1,7 +1,7 @@
 """`--mkl-dispatch` (`epd serve`, `epd ask` embedded): the plan (epd/cli/mkl_dispatch.py), its
 library built for real with the machine's C compiler, the two preloads planned into one exec
 (epd/cli/preload.py), and the start-up note on MKL's kernels (epd/model_runtime/mkl_kernels.py).
-The served process and `epd ask`'s own are tested in tests/e2e/test_cli.py."""
+The served process and `epd ask`'s own are tested in tests/e2e/test_cli_serve.py and test_cli_ask.py."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from epd.stages import contracts
 from epd.stages.contracts import MediaInput, TokenStep
 from epd.stages.errors import Busy, ResourceExhausted
 from epd.stages.messages import question_messages
-from tests.unit.gateway.test_transfer_bytes import Encoder, Prefill
+from tests.unit.gateway.fake_stages import Encoder, Prefill
 
 
 class Decoder(contracts.DecodeStage):

@@ -1,8 +1,8 @@
 """A request of n choices whose decoders lost the first prefill's cache (`KvSourceLost`) is
 prefilled again once: when that second prefill fails, the choices waiting for it fail with its
-error and none starts a third; the second is not asked for the prompt's logprobs again. Fake stages (no model, no gRPC), as tests/unit/gateway/
-test_transfer_bytes.py; the lost replica through real processes is
-tests/integration/test_kv_source_lost.py."""
+error and none starts a third; the second is not asked for the prompt's logprobs again. Fake
+stages (no model, no gRPC: tests/unit/gateway/fake_stages.py); the lost replica through real
+processes is tests/integration/test_kv_source_lost.py."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import ChoiceStart, MediaInput
 from epd.stages.errors import Unavailable
 from epd.stages.messages import question_messages
-from tests.unit.gateway.test_transfer_bytes import Decoder, Encoder, Prefill
+from tests.unit.gateway.fake_stages import Decoder, Encoder, Prefill
 
 NUM_CHOICES = 3
 

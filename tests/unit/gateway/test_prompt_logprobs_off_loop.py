@@ -4,7 +4,7 @@ they stalled every other request's stream for seconds (docs/benchmarks.md, "Prom
 event loop"), and the Ask stream forwards the pieces prefill sent as they came, no entry made
 again. Each test records the thread the costly per-entry step ran on: the real converters
 and JSON builders, wrapped to note it. The HTTP answers come from a real HttpApi over real sockets,
-its pipeline on the fake stages of tests/unit/gateway/test_transfer_bytes.py; the bytes are those
+its pipeline on the fake stages of tests/unit/gateway/fake_stages.py; the bytes are those
 `json.dumps` writes."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from epd.model_runtime.logprobs import TokenLogprob, TopLogprob
 from epd.stages.contracts import PrefillHandle
 from epd.transport import convert, message_convert
 from epd.v1 import gateway_pb2_grpc, prefill_pb2
-from tests.unit.gateway.test_transfer_bytes import Decoder, Encoder, Prefill
+from tests.unit.gateway.fake_stages import Decoder, Encoder, Prefill
 
 NUM_PROMPT_TOKENS = 3000
 PIECE_BYTES = 16 << 10  # small pieces, so that there are many

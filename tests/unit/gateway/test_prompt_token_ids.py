@@ -18,7 +18,7 @@ from epd.gateway.pipeline import Pipeline
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MediaInput, TokenStep
 from epd.stages.messages import question_messages
-from tests.unit.gateway.test_transfer_bytes import Decoder, Encoder, Prefill
+from tests.unit.gateway.fake_stages import Decoder, Encoder, Prefill
 
 
 class SendsTheIds(Prefill):

@@ -230,7 +230,7 @@ def test_a_stream_stopped_by_the_gateway_ends_the_decoders_run_at_once():
     collected (at once in CPython while nothing else holds it; never while a traceback does)."""
     from epd.gateway.pipeline import Pipeline
     from epd.stages.contracts import PrefillHandle
-    from tests.unit.gateway.test_transfer_bytes import Encoder
+    from tests.unit.gateway.fake_stages import Encoder
 
     class SentFirst(PrefillStage):
         async def prefill(
