@@ -370,8 +370,10 @@ def _structured_outputs(structured: Any, response_format: Any) -> common_pb2.Str
     from epd.model_runtime.sampling import StructuredOutputs
     from epd.stages.errors import InvalidRequest
 
-    if isinstance(structured, StructuredOutputs) and response_format is None:
-        return common_pb2.StructuredOutputs(**asdict(structured))
+    if isinstance(structured, StructuredOutputs):
+        if response_format is None:
+            return common_pb2.StructuredOutputs(**asdict(structured))
+        structured = _as_http_fields(structured)  # merged with response_format as the HTTP API does
     try:
         spec = parse_structured_outputs(
             {"structured_outputs": structured, "response_format": response_format}
@@ -379,6 +381,16 @@ def _structured_outputs(structured: Any, response_format: Any) -> common_pb2.Str
     except InvalidRequest as exc:
         raise ValueError(str(exc)) from None
     return None if spec is None else common_pb2.StructuredOutputs(**asdict(spec))
+
+
+def _as_http_fields(spec: Any) -> dict[str, Any]:
+    """A `StructuredOutputs` as the HTTP API's `structured_outputs` object: its one constraint (a
+    schema as JSON text is taken as such there) and its whitespace option when set."""
+    name = "json" if spec.kind == "json_schema" else spec.kind
+    fields: dict[str, Any] = {name: list(spec.choice) if name == "choice" else getattr(spec, spec.kind)}
+    if spec.disable_any_whitespace:
+        fields["disable_any_whitespace"] = True
+    return fields
 
 
 def _typed(message: type[ProtoMessage], given: dict[str, Any]) -> None:

@@ -292,3 +292,33 @@ def test_a_detokenize_request_carries_its_ids_and_refuses_what_is_not_ids():
 def test_a_tokenize_request_refuses_a_request_id_that_is_not_a_string():
     with pytest.raises(TypeError, match="request_id must be a string, got 7"):
         tokenize_request("hi", None, None, None, None, False, 7)  # type: ignore[arg-type]
+
+
+def test_structured_outputs_given_as_epd_asks_merge_with_response_format_as_on_the_http_api():
+    """A `StructuredOutputs` (what `epd ask`'s flags build) beside `response_format` is read in the
+    HTTP API's form and merged as there (vLLM's): the format's schema replaces the spec's, whose
+    options stay; another constraint beside it is two, refused naming both fields. It was refused
+    as "'structured_outputs' must be an object"."""
+    from epd.model_runtime.sampling import StructuredOutputs
+
+    old, new = {"type": "object"}, {"type": "object", "properties": {"n": {"type": "integer"}}}
+    spec = StructuredOutputs(json_schema=json.dumps(old), disable_any_whitespace=True)
+    response_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": new}}
+    g = build_header("q?", 0, "", {"structured_outputs": spec, "response_format": response_format}).generation
+    assert json.loads(g.structured_outputs.json_schema) == new
+    assert g.structured_outputs.disable_any_whitespace
+    with pytest.raises(ValueError, match="response_format") as refused:
+        build_header(
+            "q?",
+            0,
+            "",
+            {"structured_outputs": StructuredOutputs(regex="a+"), "response_format": response_format},
+        )
+    assert "structured_outputs" in str(refused.value)
+    choice = StructuredOutputs(choice=("yes", "no"))
+    assert list(
+        build_header("q?", 0, "", {"structured_outputs": choice}).generation.structured_outputs.choice
+    ) == [
+        "yes",
+        "no",
+    ]
