@@ -1,8 +1,9 @@
 """vLLM's `--generation-config` through a real stack: a model whose generation_config.json
 carries its creator's repetition penalty (1.3) and max_new_tokens answers a request that leaves
 them unset exactly as `generate()` does (which starts from the model's generation_config too),
-through the gRPC Ask API and the HTTP API alike; a field the request sets wins; and under
-`--generation-config vllm` the same request gets the server's neutral defaults (no penalty)."""
+through the gRPC Ask API and the HTTP API alike, with the gateway started alone on its default
+flags (prefill reports the model's defaults in its model info); a field the request sets wins;
+and under `--generation-config vllm` the same request gets the server's neutral defaults."""
 
 from __future__ import annotations
 
@@ -67,13 +68,14 @@ def test_the_models_sampling_defaults_apply_where_a_request_leaves_them_unset(
     assert want != plain, "the penalty changes nothing here; the comparison would prove little"
     mp4 = media_files["mp4"]
 
-    # The gateway alone holds no model folder: it is named (`epd serve` names its model's for it).
-    flags = {"gateway": ["--generation-config", str(creator_model)]}
-    with Stack(creator_model, tmp_path / "logs", extra=flags, http=True) as stack:
-        log = (tmp_path / "logs" / "gateway.log").read_text()
-        assert f"repetition_penalty=1.3, max_tokens={CREATORS_MAX_NEW_TOKENS}" in log, log
+    # Each role started alone (`epd serve gateway` beside `epd serve encoder/prefill/decode`, as
+    # compose and Kubernetes start them), the gateway with its default flags: it holds no model
+    # folder, and takes the model's defaults from prefill's model info (--generation-config auto).
+    with Stack(creator_model, tmp_path / "logs", http=True) as stack:
         with EpdClient(stack.gateway, timeout_s=120) as client:
             assert client.ask(mp4, QUESTION, num_frames=NUM_FRAMES).token_ids == want  # gRPC
+            log = (tmp_path / "logs" / "gateway.log").read_text()
+            assert f"repetition_penalty=1.3, max_tokens={CREATORS_MAX_NEW_TOKENS}" in log, log
             # the request's own penalty wins
             own = client.ask(mp4, QUESTION, num_frames=NUM_FRAMES, repetition_penalty=1.0)
             assert own.token_ids == plain
