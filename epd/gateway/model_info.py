@@ -79,8 +79,14 @@ def _describe(info: ModelInfo | None) -> str:
         f"{info.model_type or 'model'}, vocabulary {info.vocab_size or 'not known'}, context "
         f"{info.context_tokens or 'not known'}, prompt limit {info.max_prompt_tokens}, "
         f"max_tokens limit {info.max_new_tokens}, max_model_len {info.max_model_len}, scheduling "
-        f"{info.scheduling_policy}"
+        f"{info.scheduling_policy}, sampling defaults {_defaults(info.generation_defaults)}"
     )
+
+
+def _defaults(defaults: tuple[tuple[str, float | int], ...] | None) -> str:
+    if defaults is None:
+        return "not known"
+    return ", ".join(f"{key}={value}" for key, value in defaults) or "none"
 
 
 async def refresh_model_info(

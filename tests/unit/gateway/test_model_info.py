@@ -205,9 +205,16 @@ def test_the_models_defaults_cross_the_wire_zeros_and_all():
     )
 
 
-def test_replicas_whose_models_defaults_differ_report_none():
+def test_replicas_whose_models_defaults_differ_report_none(caplog):
     """Which replica's would be arbitrary: none, and the gateway says so (the view's warning names
     each replica's)."""
+    with caplog.at_level(logging.WARNING, logger="epd.gateway.model_info"):
+        known = ReplicaModelInfo()
+        view = known.update(["a", "b"], {"a": replace(QWEN, generation_defaults=CREATORS), "b": QWEN})
+    assert view is not None and view.generation_defaults is None
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "a: " in warning and "sampling defaults repetition_penalty=1.3, temperature=0.0" in warning
+    assert "b: " in warning and "sampling defaults none" in warning
     same = replace(QWEN, generation_defaults=CREATORS)
     assert common_model_info([same, same]) == same
     other = replace(same, max_new_tokens=1024)  # the same model, other limits: its defaults stand
