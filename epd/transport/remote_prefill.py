@@ -28,6 +28,7 @@ from epd.stages.tokenize import TokenizeInput, TokenizeOutput
 from epd.token_pruning import PruningConfig
 from epd.transport import convert
 from epd.transport.affinity import prefill_key, raw_prompt_key
+from epd.transport.aio_cancel import within
 from epd.transport.channel_cache import ChannelCache
 from epd.transport.errors import UpstreamError, stage_error
 from epd.transport.model_info import tokenize_output_from_proto, tokenize_request_to_proto
@@ -238,7 +239,7 @@ class RemotePrefillStage(PrefillStage):
         # The background reads poll every 0.25 s until a replica answers: no call of its own here.
         if self._known_model_info is None:
             try:
-                await asyncio.wait_for(self._model_info_known.wait(), timeout_s)
+                await within(self._model_info_known.wait(), timeout_s)
             except asyncio.TimeoutError:
                 pass
         return self._known_model_info
