@@ -82,7 +82,8 @@ class PrefillEngine:
         """Which think markers the tokenizer has, with their token ids (`ModelInfo.reasoning_markers`
         and `reasoning_marker_ids`): looked up once, the vocabulary does not change and
         get_vocab() builds a dict of it."""
-        self.generation_defaults = model_defaults(config.model.model)
+        checkpoint = config.model  # ModelConfig: the path or hub id the operator gave
+        self.generation_defaults = model_defaults(checkpoint.model)
         """The model's generation_config.json sampling fields (`ModelInfo.generation_defaults`):
         read here, where the model is, for a front door that holds no model folder."""
         if (
