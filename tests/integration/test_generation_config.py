@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import signal
 import subprocess
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from epd.cli.health import is_serving
 from epd.client import EpdClient
 from tests.integration.test_sampling_options import post_chat
 from tests.reference import decode_for_test, reference_tokens
-from tests.stack import ROOT, Stack, child_env, epd_command, run_epd_forked, wait_until
+from tests.stack import ROOT, Stack, bound_ports, child_env, epd_command, run_epd_forked, wait_until
 
 QUESTION = "what colour is the moving square?"
 NUM_FRAMES = 4
@@ -134,3 +135,38 @@ def test_embedded_ask_takes_the_models_defaults_as_vllms_llm_does(
     assert answer_of(off) == reference_tokens(
         tiny_models["qwen2_vl"], video, QUESTION, CREATORS_MAX_NEW_TOKENS
     )
+
+
+def test_the_colocated_server_takes_them_from_its_own_prefill(creator_model, media_files, video, tmp_path):
+    """`epd serve --colocate` resolves as the gateway does, from its local prefill's model info."""
+    want = reference_tokens(creator_model, video, QUESTION, CREATORS_MAX_NEW_TOKENS)
+    ports_file = tmp_path / "colocated.ports.json"
+    log_path = tmp_path / "colocated.log"
+    with open(log_path, "w") as out:
+        serve = subprocess.Popen(
+            epd_command(
+                "serve",
+                "--colocate",
+                "--model",
+                str(creator_model),
+                "--gateway-port",
+                "0",
+                "--http-port",
+                "0",
+                "--ports-file",
+                str(ports_file),
+            ),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=child_env(),
+            cwd=ROOT,
+        )
+    try:
+        address = f"127.0.0.1:{bound_ports(ports_file, serve, 'epd serve --colocate')['grpc']}"
+        wait_until(lambda: is_serving(address, timeout_s=1.0), "epd serve --colocate serving")
+        with EpdClient(address, timeout_s=120) as client:
+            assert client.ask(media_files["mp4"], QUESTION, num_frames=NUM_FRAMES).token_ids == want
+        assert f"repetition_penalty=1.3, max_tokens={CREATORS_MAX_NEW_TOKENS}" in log_path.read_text()
+    finally:
+        serve.send_signal(signal.SIGINT)
+        serve.wait(timeout=60)
