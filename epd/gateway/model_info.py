@@ -7,7 +7,9 @@ calls use) in the background, every `--stage-check-interval` seconds, and every 
 has answered; the pipeline reads the result through the stage (`RemotePrefillStage.model_info`).
 It starts once the gateway serves its probes, so a prefill still loading its model (UNAVAILABLE) or
 not reachable delays nothing: until a replica answers, the info is not known, no early check is
-made and prefill's own check refuses such ids (after the encode), as before.
+made and prefill's own check refuses such ids (after the encode), as before. The model's sampling
+defaults (`ModelInfo.generation_defaults`, --generation-config auto) are the exception: a request
+waits for them (`Pipeline.request_defaults`), as no answer may take other defaults.
 
 `ReplicaModelInfo` keeps each replica's last answer (a replica that does not answer keeps its
 last; one that leaves the pool, through the replica file or a `dns:///` lookup, is forgotten)

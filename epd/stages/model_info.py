@@ -1,6 +1,7 @@
 """What the served model can take, as the front door needs it without loading the model: the
 vocabulary (a request's `logit_bias` / `stop_token_ids` ids are checked against it before its media
-costs an encode) and the longest prompt plus answer (`/v1/models`' `max_model_len`).
+costs an encode), the longest prompt plus answer (`/v1/models`' `max_model_len`) and the model's
+sampling defaults (its generation_config.json's, under the front door's --generation-config auto).
 
 Prefill owns it (`PrefillStage.model_info`): the embedded pipeline reads its local prefill stage's,
 the gateway of the stack reads every prefill replica's over `PrefillService.GetModelInfo` in the
