@@ -25,6 +25,7 @@ from epd.model_runtime.adapter import (
     VLMAdapter,
 )
 from epd.model_runtime.chat_template import check_syntax
+from epd.model_runtime.generation_defaults import model_defaults
 from epd.model_runtime.kv_cache import KvCache
 from epd.model_runtime.loader import ModelLoadError
 from epd.model_runtime.reasoning_markers import REASONING_MARKERS
@@ -81,6 +82,10 @@ class PrefillEngine:
         """Which think markers the tokenizer has, with their token ids (`ModelInfo.reasoning_markers`
         and `reasoning_marker_ids`): looked up once, the vocabulary does not change and
         get_vocab() builds a dict of it."""
+        checkpoint = config.model  # ModelConfig: the path or hub id the operator gave
+        self.generation_defaults = model_defaults(checkpoint.model)
+        """The model's generation_config.json sampling fields (`ModelInfo.generation_defaults`):
+        read here, where the model is, for a front door that holds no model folder."""
         if (
             config.max_model_len is not None
             and (served := self.model_info().max_model_len) < config.max_model_len
@@ -119,6 +124,7 @@ class PrefillEngine:
             reasoning_marker_ids=tuple(self.reasoning_markers.values()),
             trust_request_chat_template=self.config.trust_request_chat_template,
             scheduling_policy=self.config.scheduler.scheduling_policy,
+            generation_defaults=self.generation_defaults,
         )
 
     def tokenize(

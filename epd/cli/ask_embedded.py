@@ -50,7 +50,7 @@ async def ask_embedded(
     from epd.encoder_svc.config import EncoderConfig
     from epd.gateway.embedded import build_embedded_pipeline
     from epd.model_runtime.default_model import accuracy_notice, is_meaningless
-    from epd.model_runtime.generation_defaults import announce
+    from epd.model_runtime.generation_defaults import announce_at_start
     from epd.model_runtime.loader import resolve_model_path
     from epd.stages.raw_prompt import RawPrompt
 
@@ -71,10 +71,11 @@ async def ask_embedded(
     )
     if opened is not None:
         opened.append(pipeline)
-    # vLLM's `LLM.generate` too: the model's sampling defaults (`get_default_sampling_params`), read
-    # as the server's front door reads them, under the same max_tokens bounds.
-    defaults = pipeline.generation_defaults(configs.request_defaults(args, str(model_path)))
-    announce(defaults, args.generation_config)
+    # vLLM's `LLM.generate` too: the model's sampling defaults (`get_default_sampling_params`),
+    # resolved as the server's front door resolves them (auto: its prefill's model info).
+    generation = configs.request_defaults(args)
+    announce_at_start(generation)
+    defaults = await pipeline.request_defaults(generation)
 
     async def turns() -> AsyncIterator[tuple[str, AsyncGenerator[StreamEvent, None]]]:
         if prompt is not None:

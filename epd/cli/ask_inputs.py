@@ -26,8 +26,8 @@ def check_generation_flags(args: argparse.Namespace, embedded: bool) -> None:
     from epd.prefill_svc.config import PrefillConfig
 
     check_generation_options(configs.generation_options(args))
-    if embedded:  # the model's generation_config.json, before the model loads
-        configs.request_defaults(args, args.model)
+    if embedded:  # --generation-config's folder and the override, before the model loads
+        configs.request_defaults(args)
         bound = (
             "embedded mode's bound, vLLM's default --max-logprobs; for more, ask a server started with "
             "a larger --max-logprobs (--endpoint)"

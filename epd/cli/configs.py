@@ -23,7 +23,7 @@ from epd.gateway.config import (
 )
 from epd.gateway.media_fetch import dns_host
 from epd.model_runtime.config import ModelConfig
-from epd.model_runtime.generation_defaults import SAMPLING_KEYS, sampling_defaults, with_sampling_defaults
+from epd.model_runtime.generation_defaults import SAMPLING_KEYS, GenerationDefaults, generation_defaults
 from epd.model_runtime.sampling import GenerationConfig, StructuredOutputs
 from epd.model_runtime.threads import AUTO
 from epd.prefill_svc.config import PrefillConfig, PrefillSchedulerConfig
@@ -87,7 +87,8 @@ def pruning_config(args: argparse.Namespace) -> PruningConfig:
 
 def generation_config(args: argparse.Namespace, defaults: GenerationConfig | None = None) -> GenerationConfig:
     """`epd ask`'s generation flags; the sampling flags left unset (`SAMPLING_KEYS`) take
-    `defaults`' values (embedded: the model's, `request_defaults`; else the server's own)."""
+    `defaults`' values (embedded: as its pipeline resolves them, `Pipeline.request_defaults`;
+    else the server's own)."""
     defaults = defaults or GenerationConfig()
     unset = [key for key in SAMPLING_KEYS if getattr(args, key) is None]
     return GenerationConfig(
@@ -378,18 +379,17 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
             load_refresh_interval_s=args.load_refresh_interval,
             http=http_api_config(args),
             sampling=sampling_options(args),
-            generation=request_defaults(args, model=None),  # no model folder: auto reads none
+            generation=request_defaults(args),  # auto: the model's, from prefill (ModelInfo)
             structured_outputs=structured_outputs_config(args),
         )
     )
 
 
-def request_defaults(args: argparse.Namespace, model: str | None) -> GenerationConfig:
-    """The defaults of a request's unset generation fields: the server's, with the sampling ones
-    --generation-config and --override-generation-config give (vLLM's; `model`: the folder or hub
-    id auto reads). ValueError naming the flag: a file or value that cannot be used."""
-    defaults = sampling_defaults(args.generation_config, model, args.override_generation_config)
-    return with_sampling_defaults(GenerationConfig(), defaults)
+def request_defaults(args: argparse.Namespace) -> GenerationDefaults:
+    """Where a request's unset sampling fields take their defaults: --generation-config and
+    --override-generation-config (vLLM's; auto: the model's, as its prefill reports them).
+    ValueError naming the flag: a file or value that cannot be used."""
+    return generation_defaults(args.generation_config, args.override_generation_config)
 
 
 def colocated_gateway_config(args: argparse.Namespace) -> GatewayConfig:
@@ -416,7 +416,7 @@ def colocated_gateway_config(args: argparse.Namespace) -> GatewayConfig:
             body_timeout_s=args.body_timeout,
             max_upload_bytes=args.max_upload_bytes,
             sampling=sampling_options(args),
-            generation=request_defaults(args, args.model),
+            generation=request_defaults(args),
             structured_outputs=structured_outputs_config(args),
         )
     )  # the defaults of requests, as the encoder's own (`--fps`, ...)

@@ -104,20 +104,15 @@ def _service(args: argparse.Namespace):
 
         return decode.main(configs.decode_config(args))
     from epd.gateway import server as gateway
-    from epd.model_runtime.generation_defaults import announce
+    from epd.model_runtime.generation_defaults import announce_at_start
 
     if args.role is None:  # --colocate: the front door and the three stages in this process
         # Configs first (a bad flag value: ValueError, a usage error before anything starts).
         config = configs.colocated_gateway_config(args)
-        announce(config.generation, args.generation_config)
+        announce_at_start(config.generation)
         return _colocated(config, configs.colocated_stages(args))
     config = configs.gateway_config(args)
-    announce(config.generation, args.generation_config)
-    if args.generation_config == "auto":  # `epd serve` names its model's folder for its gateway
-        log.warning(
-            "--generation-config auto: the gateway alone holds no model folder, so the model's sampling "
-            "defaults are not read; pass --generation-config MODEL_DIR (the folder of its generation_config.json)"
-        )
+    announce_at_start(config.generation)
     return gateway.main(config)
 
 

@@ -189,11 +189,8 @@ def gateway_flags(args: argparse.Namespace) -> list[str]:
     """The stack's `GATEWAY_FLAGS` (admission, routing, the HTTP API's model name, media and body
     flags) as the gateway's command line, with the value the stack was given."""
     from epd.cli.flags.gateway import GATEWAY_FLAGS
-    from epd.model_runtime.generation_defaults import source_of
 
-    # The gateway holds no model folder: auto is the model's, named for it.
-    source = source_of(args.generation_config, args.model)
-    return flag_words(argparse.Namespace(**{**vars(args), "generation_config": source}), GATEWAY_FLAGS)
+    return flag_words(args, GATEWAY_FLAGS)
 
 
 def flag_words(args: argparse.Namespace, adders) -> list[str]:

@@ -10,6 +10,7 @@ from epd.gateway.dns_replicas import DNS_REFRESH_INTERVAL_S, parse_dns_entry
 from epd.gateway.json_fields import lax_value
 from epd.gateway.reasoning import REASONING_PARSERS
 from epd.gateway.tool_parsers.stream import TOOL_CALL_PARSERS
+from epd.model_runtime.generation_defaults import GenerationDefaults
 from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.server_config import ServerConfig, is_loopback
 from epd.video.types import DecodeLimits, SamplingOptions
@@ -337,8 +338,9 @@ class GatewayConfig:
     """Largest visual-embedding tensor accepted from an encoder."""
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     """Defaults for sampling fields a request leaves unset."""
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    """Defaults for generation fields a request leaves unset."""
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)
+    """Where the defaults of the sampling fields a request leaves unset come from (--generation-config,
+    --override-generation-config); resolved per request by `Pipeline.request_defaults`."""
     http: HttpApiConfig = field(default_factory=HttpApiConfig)
     """The OpenAI-compatible HTTP API (off while `http.port` is None)."""
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)

@@ -398,7 +398,7 @@ class HttpApi:
             body,
             self.config.http.served_model_name,
             self.config.sampling,
-            self.pipeline.generation_defaults(self.config.generation),
+            await self.pipeline.request_defaults(self.config.generation),
         )
         chat.generation = self.config.structured_outputs.applied(chat.generation)  # the server's options
         if chat.raw_prompt is None:  # legacy completions are not parted: they go on working

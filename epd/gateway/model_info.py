@@ -7,7 +7,9 @@ calls use) in the background, every `--stage-check-interval` seconds, and every 
 has answered; the pipeline reads the result through the stage (`RemotePrefillStage.model_info`).
 It starts once the gateway serves its probes, so a prefill still loading its model (UNAVAILABLE) or
 not reachable delays nothing: until a replica answers, the info is not known, no early check is
-made and prefill's own check refuses such ids (after the encode), as before.
+made and prefill's own check refuses such ids (after the encode), as before. The model's sampling
+defaults (`ModelInfo.generation_defaults`, --generation-config auto) are the exception: a request
+waits for them (`Pipeline.request_defaults`), as no answer may take other defaults.
 
 `ReplicaModelInfo` keeps each replica's last answer (a replica that does not answer keeps its
 last; one that leaves the pool, through the replica file or a `dns:///` lookup, is forgotten)
@@ -79,8 +81,14 @@ def _describe(info: ModelInfo | None) -> str:
         f"{info.model_type or 'model'}, vocabulary {info.vocab_size or 'not known'}, context "
         f"{info.context_tokens or 'not known'}, prompt limit {info.max_prompt_tokens}, "
         f"max_tokens limit {info.max_new_tokens}, max_model_len {info.max_model_len}, scheduling "
-        f"{info.scheduling_policy}"
+        f"{info.scheduling_policy}, sampling defaults {_defaults(info.generation_defaults)}"
     )
+
+
+def _defaults(defaults: tuple[tuple[str, float | int], ...] | None) -> str:
+    if defaults is None:
+        return "not known"
+    return ", ".join(f"{key}={value}" for key, value in defaults) or "none"
 
 
 async def refresh_model_info(

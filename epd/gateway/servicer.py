@@ -158,6 +158,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             uploaded = StageEvent(Stage.UPLOAD, "finished", upload_ms, {"num_bytes": str(len(data))})
             yield gateway_pb2.AskResponse(event=convert.event_to_proto(uploaded, upload_ms))
             raw_prompt = raw_prompt_of(header)
+            defaults = await self.pipeline.request_defaults(self.config.generation)
             request = AskRequest(
                 messages=[]
                 if raw_prompt is not None
@@ -167,9 +168,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 media=media_input(header, data),
                 sampling=convert.sampling_from_proto(header.sampling, self.config.sampling, from_client=True),
                 generation=self.config.structured_outputs.applied(  # the server's options
-                    convert.generation_from_proto(
-                        header.generation, self.pipeline.generation_defaults(self.config.generation)
-                    )
+                    convert.generation_from_proto(header.generation, defaults)
                 ),
                 request_id=tracing.adopt_request_id(header.request_id),
                 pruning=convert.pruning_from_proto(header.pruning),

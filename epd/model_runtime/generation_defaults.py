@@ -1,9 +1,11 @@
 """The model creator's sampling defaults, as vLLM's `--generation-config` and
 `--override-generation-config` take them (`ModelConfig.get_diff_sampling_param`): the sampling
 fields of the model's `generation_config.json` (or another folder's), with the override merged
-over them, become the defaults of the fields a request leaves unset. Read once at start-up, by
-the front door (`epd serve`, the gateway) and by `epd ask`'s embedded pipeline; no torch, no
-transformers (the gateway loads neither): the file is plain JSON."""
+over them, become the defaults of the fields a request leaves unset. The model's own file is read
+where the model is, by prefill (`model_defaults`, reported in `ModelInfo`: the gateway alone holds
+no model folder); another folder's and the override by the front door at start-up
+(`generation_defaults`), which resolves every door's requests (`GenerationDefaults.resolve`, through
+`Pipeline.request_defaults`). No torch, no transformers (the gateway loads neither): plain JSON."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import logging
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,10 @@ SAMPLING_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p",
 """vLLM's `available_params`: the keys of a generation config that become request defaults
 (transformers' `max_new_tokens` is the OpenAI API's `max_tokens`); every other key (eos ids,
 do_sample, ...) is not a sampling default."""
+
+ModelDefaults = tuple[tuple[str, Any], ...]
+"""A model's sampling defaults as prefill reports them (`ModelInfo.generation_defaults`): (key,
+value) pairs of `SAMPLING_KEYS`, in that order."""
 
 _INTEGER_KEYS = ("top_k", "max_new_tokens")
 _INT32_MAX = 2**31 - 1
@@ -40,18 +46,38 @@ OVERRIDE_GENERATION_CONFIG_HELP = (
 )
 
 
-def sampling_defaults(source: str, model: str | None, override_json: str = "") -> dict[str, Any]:
-    """vLLM's `get_diff_sampling_param`: `source` "auto" reads `model`'s generation_config.json
-    (None, or a model without one: nothing; the gateway alone has no model folder), "vllm" reads
-    nothing, anything else is a folder whose generation_config.json is read; the override's fields
-    replace the file's. The keys of `SAMPLING_KEYS` set there (not null), checked as a request's
-    fields are. ValueError naming the flag and what to change."""
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """The front door's --generation-config and --override-generation-config: where the defaults
+    of a request's unset sampling fields come from (`resolve`)."""
+
+    source: str = "vllm"
+    """The flag as given: "auto" (the model's, as prefill reports them), "vllm" (none) or a folder.
+    "vllm" here (the server's own, for a front door built without the flags); the flag's default is auto."""
+    given: Mapping[str, Any] = field(default_factory=dict)
+    """What the flags give themselves, checked at start-up: the folder's file's fields (DIR) with
+    the override's over them; under auto the override alone, which goes over the model's."""
+
+    @property
+    def from_model(self) -> bool:
+        """The model's own defaults are taken: they come from prefill (`ModelInfo.generation_defaults`)."""
+        return self.source == "auto"
+
+    def resolve(self, model: ModelDefaults | None) -> GenerationConfig:
+        """The server's defaults with the sampling ones taken: under auto `model`'s (the model's
+        generation_config.json fields; None: not known, none) with `given` over them."""
+        values = dict(model or ()) if self.from_model else {}
+        return with_sampling_defaults(GenerationConfig(), {**values, **self.given})
+
+
+def generation_defaults(source: str, override_json: str = "") -> GenerationDefaults:
+    """The flags as the front door takes them (vLLM's `get_diff_sampling_param`): `source` "auto"
+    leaves the model's to prefill (`model_defaults`), "vllm" reads nothing, anything else is a
+    folder whose generation_config.json is read now; the override's fields replace the file's.
+    ValueError naming the flag and what to change."""
     override = _parse_override(override_json)
-    if source == "vllm":
+    if source in ("auto", "vllm"):
         config: dict[str, Any] = {}
-    elif source == "auto":
-        path = model_file(model) if model else None
-        config = {} if path is None else _read(path, f"the model's {path}")
     else:
         path = Path(source) / "generation_config.json"
         if not path.is_file():
@@ -61,11 +87,33 @@ def sampling_defaults(source: str, model: str | None, override_json: str = "") -
             )
         config = _read(path, f"--generation-config {source}")
     config.update(override)
-    defaults = {key: config[key] for key in SAMPLING_KEYS if config.get(key) is not None}
-    for key, value in defaults.items():
+    given = _sampling_fields(config)
+    for key, value in given.items():
         where = "--override-generation-config" if key in override else f"--generation-config {source}"
         _check_value(key, value, where)
-    return defaults
+    return GenerationDefaults(source, given)
+
+
+def model_defaults(model: str) -> ModelDefaults | None:
+    """vLLM's --generation-config auto where the model is (prefill, for `ModelInfo`): the sampling
+    fields of `model`'s generation_config.json (its folder, or the hub cache), in `SAMPLING_KEYS`'
+    order; () when it has none. A file that cannot be used is logged and None (not known): the
+    front door then takes none and says so, and `--generation-config vllm` still serves."""
+    path = model_file(model)
+    if path is None:
+        return ()
+    try:
+        defaults = _sampling_fields(_read(path, f"the model's {path}"))
+        for key, value in defaults.items():
+            _check_value(key, value, f"the model's {path}")
+    except ValueError as exc:
+        log.error("%s; its sampling defaults are not reported (fix the file)", exc)
+        return None
+    return tuple(defaults.items())
+
+
+def _sampling_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: config[key] for key in SAMPLING_KEYS if config.get(key) is not None}
 
 
 def with_sampling_defaults(configured: GenerationConfig, defaults: Mapping[str, Any]) -> GenerationConfig:
@@ -80,7 +128,8 @@ def with_sampling_defaults(configured: GenerationConfig, defaults: Mapping[str, 
 
 
 def announce(generation: GenerationConfig, source: str) -> None:
-    """Logs the defaults `generation` took from `source`, once at start-up: its sampling fields
+    """Logs the defaults `generation` took from `source`, once (at start-up; under auto when
+    prefill's model info first gives them, `Pipeline.request_defaults`): its sampling fields
     that differ from the server's own. A warning when there are some, as vLLM's: answers change."""
     own = GenerationConfig()
     taken = {
@@ -104,13 +153,16 @@ def announce(generation: GenerationConfig, source: str) -> None:
     )
 
 
-def source_of(source: str, model: str) -> str:
-    """--generation-config as a process without the model folder reads it (the stack's gateway):
-    auto is the folder of `model`'s generation_config.json, vllm when it has none."""
-    if source != "auto":
-        return source
-    path = model_file(model)
-    return "vllm" if path is None else str(path.parent)
+def announce_at_start(defaults: GenerationDefaults) -> None:
+    """The front door's start: the defaults its flags give (`announce`); under auto they are the
+    model's, logged once prefill has reported them (`Pipeline.request_defaults`)."""
+    if defaults.from_model:
+        log.info(
+            "sampling defaults: the model's generation_config.json (--generation-config auto), as prefill "
+            "reports them; logged at the first request that takes them"
+        )
+        return
+    announce(defaults.resolve(None), defaults.source)
 
 
 def model_file(model: str) -> Path | None:

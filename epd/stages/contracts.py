@@ -562,6 +562,11 @@ class PrefillStage(ABC):
         known (a remote stage before any replica answered, or a stage that cannot say)."""
         return None
 
+    async def wait_model_info(self, timeout_s: float) -> ModelInfo | None:
+        """`model_info`, waiting up to `timeout_s` for it while it is not known yet (a remote stage
+        whose replicas have not answered); None when it still is not. A local stage knows it."""
+        return self.model_info()
+
     async def tokenize(self, request: TokenizeInput, request_id: str) -> TokenizeOutput:
         """The token ids of `request`'s text or text-only conversation, as this stage's tokenizer
         and chat template give them, and their token strings when asked (`epd.stages.tokenize`);

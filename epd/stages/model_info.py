@@ -1,6 +1,7 @@
 """What the served model can take, as the front door needs it without loading the model: the
 vocabulary (a request's `logit_bias` / `stop_token_ids` ids are checked against it before its media
-costs an encode) and the longest prompt plus answer (`/v1/models`' `max_model_len`).
+costs an encode), the longest prompt plus answer (`/v1/models`' `max_model_len`) and the model's
+sampling defaults (its generation_config.json's, under the front door's --generation-config auto).
 
 Prefill owns it (`PrefillStage.model_info`): the embedded pipeline reads its local prefill stage's,
 the gateway of the stack reads every prefill replica's over `PrefillService.GetModelInfo` in the
@@ -49,6 +50,12 @@ class ModelInfo:
     """Prefill's --scheduling-policy (`epd.stages.scheduling`): under fcfs the front door refuses a
     request's non-zero priority before its media costs an encode (`epd serve` gives every stage
     the same policy; a stage started by hand with another refuses such a request itself)."""
+    generation_defaults: tuple[tuple[str, float | int], ...] | None = ()
+    """The sampling fields of the model's generation_config.json (`SAMPLING_KEYS` of
+    `epd.model_runtime.generation_defaults`, as (key, value) pairs in that order): the defaults of a
+    request's unset fields under the front door's --generation-config auto, which holds no model
+    folder (vLLM's server reads them where it loads the model). () when the model sets none; None
+    when not known (a prefill from before them, or replicas whose models' differ)."""
 
     def reasoning_token_id(self, marker: str) -> int | None:
         """`marker`'s token id (one of `reasoning_markers`), or None when it is not a single token
@@ -102,4 +109,9 @@ def common_model_info(infos: Iterable[ModelInfo]) -> ModelInfo | None:
         trust_request_chat_template=all(i.trust_request_chat_template for i in distinct),
         # priority only when every replica orders by it: a replica under fcfs would refuse the request
         scheduling_policy="priority" if all(i.scheduling_policy == "priority" for i in distinct) else "fcfs",
+        # a model's defaults only when every replica reports the same: which replica's would be
+        # arbitrary (the disagreement is logged, naming each replica's)
+        generation_defaults=defaults.pop()
+        if len(defaults := {i.generation_defaults for i in distinct}) == 1
+        else None,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import grpc
 
+from epd.model_runtime.generation_defaults import SAMPLING_KEYS
 from epd.stages.model_info import ModelInfo
 from epd.stages.tokenize import TokenizeAnswer, TokenizeInput, TokenizeOutput
 from epd.transport.message_convert import (
@@ -32,6 +33,9 @@ def model_info_to_proto(info: ModelInfo) -> prefill_pb2.ModelInfo:
         reasoning_marker_ids=info.reasoning_marker_ids,
         trust_request_chat_template=info.trust_request_chat_template,
         scheduling_policy=info.scheduling_policy,
+        generation_defaults=None
+        if info.generation_defaults is None
+        else prefill_pb2.GenerationDefaults(**dict(info.generation_defaults)),  # type: ignore[arg-type]
     )
 
 
@@ -48,7 +52,14 @@ def model_info_from_proto(msg: prefill_pb2.ModelInfo) -> ModelInfo:
         reasoning_marker_ids=tuple(msg.reasoning_marker_ids),  # empty: a prefill from before them
         trust_request_chat_template=msg.trust_request_chat_template,
         scheduling_policy=msg.scheduling_policy or "fcfs",  # unset: a prefill from before the flag
+        generation_defaults=_defaults_from_proto(msg.generation_defaults)
+        if msg.HasField("generation_defaults")
+        else None,  # a prefill from before them
     )
+
+
+def _defaults_from_proto(msg: prefill_pb2.GenerationDefaults) -> tuple[tuple[str, float | int], ...]:
+    return tuple((key, getattr(msg, key)) for key in SAMPLING_KEYS if msg.HasField(key))
 
 
 async def fetch_model_info(channel: grpc.aio.Channel, timeout_s: float) -> ModelInfo:

@@ -28,6 +28,7 @@ from epd.stages.tokenize import TokenizeInput, TokenizeOutput
 from epd.token_pruning import PruningConfig
 from epd.transport import convert
 from epd.transport.affinity import prefill_key, raw_prompt_key
+from epd.transport.aio_cancel import within
 from epd.transport.channel_cache import ChannelCache
 from epd.transport.errors import UpstreamError, stage_error
 from epd.transport.model_info import tokenize_output_from_proto, tokenize_request_to_proto
@@ -86,9 +87,8 @@ class RemotePrefillStage(PrefillStage):
         self.kv_channels = ChannelCache(
             lambda address: traced_channel(address, server_name=self.pool.server_name(address))
         )
-        self.known_model_info: ModelInfo | None = None
-        """What the replicas' model takes, as the gateway's background reads found it
-        (`epd.gateway.model_info`); None until a replica answered."""
+        self._known_model_info: ModelInfo | None = None
+        self._model_info_known = asyncio.Event()
 
     async def prefill(
         self,
@@ -220,8 +220,29 @@ class RemotePrefillStage(PrefillStage):
             except grpc.aio.AioRpcError as exc:
                 raise stage_error(exc, "prefill", request_id) from None
 
+    @property
+    def known_model_info(self) -> ModelInfo | None:
+        """What the replicas' model takes, as the gateway's background reads found it
+        (`epd.gateway.model_info`); None until a replica answered."""
+        return self._known_model_info
+
+    @known_model_info.setter
+    def known_model_info(self, info: ModelInfo | None) -> None:
+        self._known_model_info = info
+        if info is not None:
+            self._model_info_known.set()  # wakes the requests that wait for it
+
     def model_info(self) -> ModelInfo | None:
         return self.known_model_info
+
+    async def wait_model_info(self, timeout_s: float) -> ModelInfo | None:
+        # The background reads poll every 0.25 s until a replica answers: no call of its own here.
+        if self._known_model_info is None:
+            try:
+                await within(self._model_info_known.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        return self._known_model_info
 
     async def tokenize(self, request: TokenizeInput, request_id: str) -> TokenizeOutput:
         message = tokenize_request_to_proto(request, request_id)

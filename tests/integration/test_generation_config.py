@@ -1,13 +1,15 @@
 """vLLM's `--generation-config` through a real stack: a model whose generation_config.json
 carries its creator's repetition penalty (1.3) and max_new_tokens answers a request that leaves
 them unset exactly as `generate()` does (which starts from the model's generation_config too),
-through the gRPC Ask API and the HTTP API alike; a field the request sets wins; and under
-`--generation-config vllm` the same request gets the server's neutral defaults (no penalty)."""
+through the gRPC Ask API and the HTTP API alike, with the gateway started alone on its default
+flags (prefill reports the model's defaults in its model info); a field the request sets wins;
+and under `--generation-config vllm` the same request gets the server's neutral defaults."""
 
 from __future__ import annotations
 
 import base64
 import json
+import signal
 import subprocess
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from epd.cli.health import is_serving
 from epd.client import EpdClient
 from tests.integration.test_sampling_options import post_chat
 from tests.reference import decode_for_test, reference_tokens
-from tests.stack import ROOT, Stack, child_env, epd_command, run_epd_forked, wait_until
+from tests.stack import ROOT, Stack, bound_ports, child_env, epd_command, run_epd_forked, wait_until
 
 QUESTION = "what colour is the moving square?"
 NUM_FRAMES = 4
@@ -67,13 +69,14 @@ def test_the_models_sampling_defaults_apply_where_a_request_leaves_them_unset(
     assert want != plain, "the penalty changes nothing here; the comparison would prove little"
     mp4 = media_files["mp4"]
 
-    # The gateway alone holds no model folder: it is named (`epd serve` names its model's for it).
-    flags = {"gateway": ["--generation-config", str(creator_model)]}
-    with Stack(creator_model, tmp_path / "logs", extra=flags, http=True) as stack:
-        log = (tmp_path / "logs" / "gateway.log").read_text()
-        assert f"repetition_penalty=1.3, max_tokens={CREATORS_MAX_NEW_TOKENS}" in log, log
+    # Each role started alone (`epd serve gateway` beside `epd serve encoder/prefill/decode`, as
+    # compose and Kubernetes start them), the gateway with its default flags: it holds no model
+    # folder, and takes the model's defaults from prefill's model info (--generation-config auto).
+    with Stack(creator_model, tmp_path / "logs", http=True) as stack:
         with EpdClient(stack.gateway, timeout_s=120) as client:
             assert client.ask(mp4, QUESTION, num_frames=NUM_FRAMES).token_ids == want  # gRPC
+            log = (tmp_path / "logs" / "gateway.log").read_text()
+            assert f"repetition_penalty=1.3, max_tokens={CREATORS_MAX_NEW_TOKENS}" in log, log
             # the request's own penalty wins
             own = client.ask(mp4, QUESTION, num_frames=NUM_FRAMES, repetition_penalty=1.0)
             assert own.token_ids == plain
@@ -132,3 +135,38 @@ def test_embedded_ask_takes_the_models_defaults_as_vllms_llm_does(
     assert answer_of(off) == reference_tokens(
         tiny_models["qwen2_vl"], video, QUESTION, CREATORS_MAX_NEW_TOKENS
     )
+
+
+def test_the_colocated_server_takes_them_from_its_own_prefill(creator_model, media_files, video, tmp_path):
+    """`epd serve --colocate` resolves as the gateway does, from its local prefill's model info."""
+    want = reference_tokens(creator_model, video, QUESTION, CREATORS_MAX_NEW_TOKENS)
+    ports_file = tmp_path / "colocated.ports.json"
+    log_path = tmp_path / "colocated.log"
+    with open(log_path, "w") as out:
+        serve = subprocess.Popen(
+            epd_command(
+                "serve",
+                "--colocate",
+                "--model",
+                str(creator_model),
+                "--gateway-port",
+                "0",
+                "--http-port",
+                "0",
+                "--ports-file",
+                str(ports_file),
+            ),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=child_env(),
+            cwd=ROOT,
+        )
+    try:
+        address = f"127.0.0.1:{bound_ports(ports_file, serve, 'epd serve --colocate')['grpc']}"
+        wait_until(lambda: is_serving(address, timeout_s=1.0), "epd serve --colocate serving")
+        with EpdClient(address, timeout_s=120) as client:
+            assert client.ask(media_files["mp4"], QUESTION, num_frames=NUM_FRAMES).token_ids == want
+        assert f"repetition_penalty=1.3, max_tokens={CREATORS_MAX_NEW_TOKENS}" in log_path.read_text()
+    finally:
+        serve.send_signal(signal.SIGINT)
+        serve.wait(timeout=60)

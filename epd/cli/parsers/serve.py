@@ -166,7 +166,7 @@ def _add_gateway_role(roles) -> None:
     add_admission_flags(gw)
     add_routing_flags(gw)
     add_http_api_flags(gw)  # with its listen flags: GATEWAY_FLAGS' without them
-    add_generation_config_flags(gw)  # auto: no model folder here, none (the stack passes its model's)
+    add_generation_config_flags(gw)  # auto: the model's, as prefill reports them (ModelInfo)
     add_structured_outputs_flags(gw)
     demo = gw.add_argument_group("web demo (POST /demo/frames decodes the frames it shows in the gateway)")
     demo.add_argument(

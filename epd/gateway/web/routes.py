@@ -43,6 +43,7 @@ from epd.gateway.http_error_responses import exception_response
 from epd.gateway.http_errors import error_body
 from epd.gateway.media_fetch import load_media
 from epd.gateway.web.demo_decodes import DemoDecodes
+from epd.model_runtime.sampling import GenerationConfig
 from epd.resources import shipped
 from epd.stages.errors import InvalidRequest
 from epd.video.simple_decoder import decode
@@ -153,7 +154,8 @@ def _frames_request(body: Any, config: GatewayConfig) -> tuple[SamplingOptions, 
         ],
         "media": body.get("media"),
     }  # fmt: skip
-    parsed = parse_chat_request(chat, config.http.served_model_name, config.sampling, config.generation)
+    # only its media sampling is read: the generation defaults play no part
+    parsed = parse_chat_request(chat, config.http.served_model_name, config.sampling, GenerationConfig())
     return parsed.sampling, parsed.media_url
 
 

@@ -144,7 +144,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("vocab_size", "context_tokens", "max_prompt_tokens", "max_new_tokens", "model_type", "max_logprobs", "reasoning_markers", "trust_request_chat_template", "scheduling_policy", "reasoning_marker_ids")
+    __slots__ = ("vocab_size", "context_tokens", "max_prompt_tokens", "max_new_tokens", "model_type", "max_logprobs", "reasoning_markers", "trust_request_chat_template", "scheduling_policy", "reasoning_marker_ids", "generation_defaults")
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,7 @@ class ModelInfo(_message.Message):
     TRUST_REQUEST_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     SCHEDULING_POLICY_FIELD_NUMBER: _ClassVar[int]
     REASONING_MARKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     vocab_size: int
     context_tokens: int
     max_prompt_tokens: int
@@ -165,7 +166,24 @@ class ModelInfo(_message.Message):
     trust_request_chat_template: bool
     scheduling_policy: str
     reasoning_marker_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, vocab_size: _Optional[int] = ..., context_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., model_type: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., reasoning_markers: _Optional[_Iterable[str]] = ..., trust_request_chat_template: _Optional[bool] = ..., scheduling_policy: _Optional[str] = ..., reasoning_marker_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    generation_defaults: GenerationDefaults
+    def __init__(self, vocab_size: _Optional[int] = ..., context_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., model_type: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., reasoning_markers: _Optional[_Iterable[str]] = ..., trust_request_chat_template: _Optional[bool] = ..., scheduling_policy: _Optional[str] = ..., reasoning_marker_ids: _Optional[_Iterable[int]] = ..., generation_defaults: _Optional[_Union[GenerationDefaults, _Mapping]] = ...) -> None: ...
+
+class GenerationDefaults(_message.Message):
+    __slots__ = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    repetition_penalty: float
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    max_new_tokens: int
+    def __init__(self, repetition_penalty: _Optional[float] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "messages", "add_special_tokens", "return_token_strs", "template")

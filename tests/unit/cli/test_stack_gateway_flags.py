@@ -14,6 +14,7 @@ from epd.cli.parsers.root import build_parser
 from epd.cli.stack_commands import flag_words, gateway_flags, stack_commands
 from epd.gateway.chat_request import parse_chat_request
 from epd.gateway.config import GatewayConfig, MediaFetchConfig
+from epd.model_runtime.sampling import GenerationConfig
 from epd.transport import convert
 from epd.v1 import common_pb2
 from epd.video.types import SamplingOptions
@@ -125,21 +126,16 @@ def test_every_flag_the_gateway_shares_with_the_stack_has_the_same_default_and_h
     args = _stack([])
     gateway = _parsed(stack_commands(args)["gateway"])
     alone = build_parser().parse_args(["serve", "gateway"])
-    # But --generation-config auto, the model's folder: the gateway holds none, so it is named
-    # (/m has no generation_config.json: vllm, no defaults either way).
-    assert (gateway.generation_config, args.generation_config) == ("vllm", "auto")
     for action in shared.values():
-        if action.dest != "generation_config":
-            assert (
-                getattr(gateway, action.dest) == getattr(alone, action.dest) == getattr(args, action.dest)
-            ), action.dest
+        assert getattr(gateway, action.dest) == getattr(alone, action.dest) == getattr(args, action.dest), (
+            action.dest
+        )
     # Every flag goes on the gateway's command line, but one whose unset value is None
     # (--reasoning-parser: off) or a switch left off (--enable-auto-tool-choice), which the
     # role's own default says alike.
     passed = {flag for flag, action in shared.items() if action.default not in (None, False)}
-    named = argparse.Namespace(**{**vars(args), "generation_config": "vllm"})
     assert set(flag_words(args, GATEWAY_FLAGS)) >= passed and gateway_flags(args) == flag_words(
-        named, GATEWAY_FLAGS
+        args, GATEWAY_FLAGS
     )
 
 
@@ -174,7 +170,7 @@ def test_the_frame_sampling_flags_are_the_defaults_of_requests_through_the_front
         )
         # HTTP without "media", gRPC with no sampling field set: the front door's defaults, sent on.
         http = parse_chat_request(
-            body, front_door.http.served_model_name, front_door.sampling, front_door.generation
+            body, front_door.http.served_model_name, front_door.sampling, GenerationConfig()
         )
         grpc = convert.sampling_from_proto(common_pb2.VideoSampling(), front_door.sampling)
         for asked in (http.sampling, grpc):

@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 import grpc
 import pytest
 
+from epd.gateway import pipeline as pipeline_module
 from epd.gateway.model_info import ReplicaModelInfo, refresh_model_info, watch_model_info
 from epd.gateway.pipeline import Pipeline
+from epd.model_runtime.generation_defaults import GenerationDefaults, generation_defaults
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.kv_store import KvStore
 from epd.prefill_svc.servicer import PrefillServicer
+from epd.stages.errors import Unavailable
 from epd.stages.model_info import ModelInfo, common_model_info
 from epd.transport.model_info import model_info_from_proto, model_info_to_proto
 from epd.transport.remote_prefill import RemotePrefillStage
@@ -169,17 +173,120 @@ def test_the_default_max_tokens_fits_the_max_tokens_limit_and_max_model_len():
     takes: its max_tokens limit, and what max_model_len (a prefill --max-model-len of 20 here)
     leaves after a one-token prompt. The default alone passed a context of 20, so such a request
     was refused whatever its prompt; one the client set is left for prefill to judge."""
-    configured = GenerationConfig()  # max_new_tokens 32
-    assert Pipeline(None, None, None).generation_defaults(configured) == configured  # type: ignore[arg-type]  # not known
+    configured = GenerationDefaults()  # max_new_tokens 32
+    not_known = Pipeline(None, None, None)  # type: ignore[arg-type]
+    assert asyncio.run(not_known.request_defaults(configured)) == GenerationConfig()
 
     def fitted(info: ModelInfo) -> int:
-        return Pipeline(None, _Stage(info), None).generation_defaults(configured).max_new_tokens  # type: ignore[arg-type]
+        pipeline = Pipeline(None, _Stage(info), None)  # type: ignore[arg-type]
+        return asyncio.run(pipeline.request_defaults(configured)).max_new_tokens
 
     assert fitted(QWEN) == 32
     assert fitted(ModelInfo(512, 32768, 32768, max_new_tokens=16)) == 16
     assert fitted(ModelInfo(512, context_tokens=20, max_prompt_tokens=20, max_new_tokens=4096)) == 19
     # prefill refuses
     assert fitted(ModelInfo(512, context_tokens=1, max_prompt_tokens=1, max_new_tokens=4096)) == 1
+
+
+CREATORS = (("repetition_penalty", 1.3), ("temperature", 0.0), ("top_k", 0), ("max_new_tokens", 12))
+"""A model's defaults as prefill reports them, with 0s that are real values (greedy, top_k off)."""
+
+
+def test_the_models_defaults_cross_the_wire_zeros_and_all():
+    info = replace(QWEN, generation_defaults=CREATORS)
+    assert model_info_from_proto(model_info_to_proto(info)) == info
+    none = replace(QWEN, generation_defaults=())  # the model recommends none
+    assert model_info_from_proto(model_info_to_proto(none)) == none
+    old = model_info_to_proto(QWEN)
+    old.ClearField("generation_defaults")  # a prefill from before them: not known, not none
+    assert model_info_from_proto(old).generation_defaults is None
+    assert model_info_from_proto(model_info_to_proto(replace(QWEN, generation_defaults=None))) == replace(
+        QWEN, generation_defaults=None
+    )
+
+
+def test_replicas_whose_models_defaults_differ_report_none(caplog):
+    """Which replica's would be arbitrary: none, and the gateway says so (the view's warning names
+    each replica's)."""
+    with caplog.at_level(logging.WARNING, logger="epd.gateway.model_info"):
+        known = ReplicaModelInfo()
+        view = known.update(["a", "b"], {"a": replace(QWEN, generation_defaults=CREATORS), "b": QWEN})
+    assert view is not None and view.generation_defaults is None
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "a: " in warning and "sampling defaults repetition_penalty=1.3, temperature=0.0" in warning
+    assert "b: " in warning and "sampling defaults none" in warning
+    same = replace(QWEN, generation_defaults=CREATORS)
+    assert common_model_info([same, same]) == same
+    other = replace(same, max_new_tokens=1024)  # the same model, other limits: its defaults stand
+    both = common_model_info([same, other])
+    assert both is not None and both.generation_defaults == CREATORS
+    differ = common_model_info([same, replace(QWEN, generation_defaults=())])
+    assert differ is not None and differ.generation_defaults is None
+
+
+@pytest.mark.parametrize(
+    "source,override,want",
+    [
+        ("auto", "", GenerationConfig(repetition_penalty=1.3, max_new_tokens=12)),  # the model's
+        ("auto", '{"repetition_penalty": 1.1}', GenerationConfig(repetition_penalty=1.1, max_new_tokens=12)),
+        ("vllm", "", GenerationConfig()),  # the model's ignored
+        ("vllm", '{"top_p": 0.5}', GenerationConfig(top_p=0.5)),
+        ("DIR", "", GenerationConfig(top_k=7)),  # that folder's, not the model's
+        ("DIR", '{"top_k": 3}', GenerationConfig(top_k=3)),
+    ],
+)
+def test_the_front_door_resolves_auto_from_prefills_model_info_then_the_override(
+    tmp_path, source, override, want
+):
+    (tmp_path / "generation_config.json").write_text('{"top_k": 7}')
+    configured = generation_defaults(str(tmp_path) if source == "DIR" else source, override)
+    pipeline = Pipeline(None, _Stage(replace(QWEN, generation_defaults=CREATORS)), None)  # type: ignore[arg-type]
+    assert asyncio.run(pipeline.request_defaults(configured)) == want
+
+
+def test_the_defaults_are_announced_once_they_are_known_and_when_they_change(caplog):
+    stage = _Stage(replace(QWEN, generation_defaults=CREATORS))
+    pipeline = Pipeline(None, stage, None)  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO):
+        for _ in range(2):
+            asyncio.run(pipeline.request_defaults(GenerationDefaults("auto")))
+        stage.info = replace(QWEN, generation_defaults=None)  # prefill stopped saying
+        asyncio.run(pipeline.request_defaults(GenerationDefaults("auto")))
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 2, said  # once for the first, once for the change (the second: none)
+    assert "repetition_penalty=1.3, max_tokens=12" in said[0]
+    assert "prefill does not report its model's sampling defaults" in said[1]
+
+
+def test_an_early_request_waits_for_prefills_model_info_and_is_refused_when_none_comes(monkeypatch):
+    """Under auto a request that comes before any prefill replica has answered waits for the
+    gateway's reads (a real PrefillService that starts later), never resolved without the model's
+    defaults; with none answering it is refused UNAVAILABLE."""
+    monkeypatch.setattr(pipeline_module, "MODEL_INFO_WAIT_S", 0.5)
+
+    async def scenario():
+        pool = ReplicaPool([f"127.0.0.1:{free_port()}"])
+        stage = RemotePrefillStage(pool, 5.0)
+        pipeline = Pipeline(None, stage, None)  # type: ignore[arg-type]
+        watch = asyncio.ensure_future(watch_model_info(stage, interval_s=0))
+        try:
+            with pytest.raises(Unavailable, match="sampling defaults .* not known yet"):
+                await pipeline.request_defaults(GenerationDefaults("auto"))
+            assert (await pipeline.request_defaults(GenerationDefaults("vllm"))) == GenerationConfig()
+            monkeypatch.setattr(pipeline_module, "MODEL_INFO_WAIT_S", 60.0)
+            early = asyncio.ensure_future(pipeline.request_defaults(GenerationDefaults("auto")))
+            await asyncio.sleep(0)  # it waits: nothing is known yet
+            assert not early.done()
+            server, address = await _prefill_server(replace(QWEN, generation_defaults=CREATORS))
+            pool.set_addresses([address])
+            got = await asyncio.wait_for(early, 30)
+            assert (got.repetition_penalty, got.max_new_tokens) == (1.3, 12)
+            await server.stop(None)
+        finally:
+            watch.cancel()
+            await pool.close()
+
+    asyncio.run(scenario())
 
 
 @pytest.mark.parametrize("prefill", [None, object()])
@@ -192,8 +299,6 @@ def test_a_request_template_is_refused_before_the_encode_unless_every_prefill_tr
     """The gateway learns from prefill whether it renders a request's own `chat_template`
     (--trust-request-chat-template): without it the request is refused before its media costs an
     encode (this pipeline has no encoder to reach)."""
-    from dataclasses import replace
-
     from epd.gateway.ask_types import AskRequest
     from epd.stages.contracts import MediaInput
     from epd.stages.errors import InvalidRequest

@@ -1,7 +1,7 @@
 """vLLM's `--generation-config` / `--override-generation-config` (`ModelConfig.get_diff_sampling_param`):
-the model's generation_config.json sampling fields become the defaults of the fields a request
-leaves unset, on every door (resolved in one place: `parse_generation` for the HTTP API,
-`generation_from_proto` for gRPC), and a field the request sets wins."""
+the model's generation_config.json sampling fields (read by prefill, `model_defaults`) become the
+defaults of the fields a request leaves unset, on every door (resolved in one place: `parse_generation`
+for the HTTP API, `generation_from_proto` for gRPC), and a field the request sets wins."""
 
 from __future__ import annotations
 
@@ -16,7 +16,13 @@ from epd.cli import configs, stack_commands
 from epd.cli.main import build_parser
 from epd.client.request import build_header
 from epd.gateway.generation_options import parse_generation
-from epd.model_runtime.generation_defaults import announce, sampling_defaults, with_sampling_defaults
+from epd.model_runtime.generation_defaults import (
+    GenerationDefaults,
+    announce,
+    generation_defaults,
+    model_defaults,
+    with_sampling_defaults,
+)
 from epd.model_runtime.sampling import GenerationConfig
 from epd.transport import convert
 from epd.v1 import common_pb2
@@ -33,13 +39,18 @@ def model_dir(tmp_path: Path, **config) -> Path:
     return tmp_path
 
 
-def resolved(source: str, model: str | None, override: str = "") -> GenerationConfig:
-    return with_sampling_defaults(GenerationConfig(), sampling_defaults(source, model, override))
+def resolved(source: str, model: str, override: str = "") -> GenerationConfig:
+    """What the front door's flags take with `model`'s file as its prefill reports it."""
+    return generation_defaults(source, override).resolve(model_defaults(model))
 
 
 def test_auto_takes_the_models_sampling_fields_and_nothing_else(tmp_path, caplog):
-    got = sampling_defaults("auto", str(model_dir(tmp_path, min_p=0.05, **QWEN3_VL)))
-    assert got == {**QWEN3_VL, "min_p": 0.05}  # not eos_token_id, not do_sample
+    got = model_defaults(str(model_dir(tmp_path, min_p=0.05, **QWEN3_VL)))
+    # not eos_token_id, not do_sample; in SAMPLING_KEYS' order
+    assert got == (
+        ("repetition_penalty", 1.05), ("temperature", 0.7), ("top_k", 20), ("top_p", 0.8), ("min_p", 0.05),
+        ("max_new_tokens", 128),
+    )  # fmt: skip
     generation = resolved("auto", str(tmp_path))
     assert (generation.temperature, generation.top_p, generation.top_k) == (0.7, 0.8, 20)
     assert (generation.repetition_penalty, generation.min_p, generation.max_new_tokens) == (1.05, 0.05, 128)
@@ -53,9 +64,10 @@ def test_auto_takes_the_models_sampling_fields_and_nothing_else(tmp_path, caplog
 
 def test_a_config_without_sampling_fields_changes_nothing(tmp_path, caplog):
     """The tests' tiny models: their answers stay `generate()`'s greedy ones."""
-    assert resolved("auto", str(model_dir(tmp_path))) == GenerationConfig()
-    assert resolved("auto", None) == GenerationConfig()  # the gateway alone: no model folder
-    assert resolved("auto", str(tmp_path / "absent")) == GenerationConfig()
+    assert model_defaults(str(model_dir(tmp_path))) == ()
+    assert resolved("auto", str(tmp_path)) == GenerationConfig()
+    assert model_defaults(str(tmp_path / "absent")) == ()
+    assert GenerationDefaults("auto").resolve(None) == GenerationConfig()  # prefill does not say
     with caplog.at_level(logging.INFO, "epd.model_runtime.generation_defaults"):
         announce(GenerationConfig(), "auto")
     assert "none from --generation-config auto" in caplog.records[0].getMessage()
@@ -65,14 +77,19 @@ def test_vllm_ignores_the_model_and_dir_reads_another_folder(tmp_path):
     model = model_dir(tmp_path / "model", **QWEN3_VL)
     assert resolved("vllm", str(model)) == GenerationConfig()
     other = model_dir(tmp_path / "other", top_k=1)
-    assert sampling_defaults(str(other), str(model)) == {"top_k": 1}
+    assert generation_defaults(str(other)).given == {"top_k": 1}
+    assert resolved(str(other), str(model)) == GenerationConfig(top_k=1)  # not the model's
 
 
 def test_the_override_merges_over_the_file_and_alone_under_vllm(tmp_path):
     model = str(model_dir(tmp_path, **QWEN3_VL))
-    got = sampling_defaults("auto", model, '{"temperature": 0.2, "max_new_tokens": 64}')
-    assert got == {**QWEN3_VL, "temperature": 0.2, "max_new_tokens": 64}
-    assert sampling_defaults("vllm", model, '{"repetition_penalty": 1.3}') == {"repetition_penalty": 1.3}
+    got = resolved("auto", model, '{"temperature": 0.2, "max_new_tokens": 64}')
+    assert got == with_sampling_defaults(
+        GenerationConfig(), {**QWEN3_VL, "temperature": 0.2, "max_new_tokens": 64}
+    )
+    assert resolved("vllm", model, '{"repetition_penalty": 1.3}') == GenerationConfig(repetition_penalty=1.3)
+    other = model_dir(tmp_path / "other", top_k=1, top_p=0.5)
+    assert resolved(str(other), model, '{"top_k": 2}') == GenerationConfig(top_k=2, top_p=0.5)
     assert resolved("vllm", model, '{"top_k": -1}').top_k == 0  # vLLM's off is 0, as on every door
 
 
@@ -91,15 +108,19 @@ def test_the_override_merges_over_the_file_and_alone_under_vllm(tmp_path):
 )
 def test_bad_values_are_refused_naming_the_flag(tmp_path, source, override, message):
     with pytest.raises(ValueError, match=message):
-        sampling_defaults(str(tmp_path) if source == "FOLDER" else source, None, override)
+        generation_defaults(str(tmp_path) if source == "FOLDER" else source, override)
 
 
-def test_a_bad_value_in_the_models_file_is_refused_naming_it(tmp_path):
-    with pytest.raises(ValueError, match=r"--generation-config auto: repetition_penalty must be > 0"):
-        sampling_defaults("auto", str(model_dir(tmp_path, repetition_penalty=0)))
-    (tmp_path / "generation_config.json").write_text("{")
-    with pytest.raises(ValueError, match="cannot read it as JSON"):
-        sampling_defaults("auto", str(tmp_path))
+def test_a_bad_value_in_the_models_file_is_logged_and_not_reported(tmp_path, caplog):
+    """Prefill reads it, not knowing the front door's flags (under vllm it serves on): it says
+    so in its log and reports the defaults not known (the front door says so too)."""
+    with caplog.at_level(logging.ERROR, "epd.model_runtime.generation_defaults"):
+        assert model_defaults(str(model_dir(tmp_path, repetition_penalty=0))) is None
+        (tmp_path / "generation_config.json").write_text("{")
+        assert model_defaults(str(tmp_path)) is None
+    first, second = (r.getMessage() for r in caplog.records)
+    assert "the model's" in first and "repetition_penalty must be > 0" in first
+    assert "cannot read it as JSON" in second
 
 
 def test_the_http_doors_take_the_defaults_and_a_field_the_request_sets_wins():
@@ -127,21 +148,22 @@ def test_grpc_takes_the_defaults_of_the_fields_left_unset():
     assert given.repetition_penalty == 1.05  # still unset
 
 
-def test_every_serve_form_builds_its_front_doors_defaults(tmp_path):
+def test_every_serve_form_takes_the_flags_as_given(tmp_path):
+    """No form reads the model's file at the front door: auto is the model's as prefill reports it
+    (`Pipeline.request_defaults`), so the stack's gateway gets the flag as given, as one alone."""
     model = str(model_dir(tmp_path, repetition_penalty=1.3))
     serve = build_parser().parse_args(["serve", "--model", model])
-    assert configs.colocated_gateway_config(serve).generation.repetition_penalty == 1.3
-    # The stack's gateway holds no model folder: it is named for it.
+    assert configs.colocated_gateway_config(serve).generation == GenerationDefaults("auto")
     words = stack_commands.gateway_flags(serve)
-    assert words[words.index("--generation-config") + 1] == model
+    assert words[words.index("--generation-config") + 1] == "auto"
     gateway = build_parser().parse_args(["serve", "gateway", "--generation-config", model])
-    assert configs.gateway_config(gateway).generation.repetition_penalty == 1.3
-    assert (
-        configs.gateway_config(build_parser().parse_args(["serve", "gateway"])).generation
-        == GenerationConfig()
+    assert configs.gateway_config(gateway).generation == GenerationDefaults(
+        model, {"repetition_penalty": 1.3}
     )
+    alone = build_parser().parse_args(["serve", "gateway"])
+    assert configs.gateway_config(alone).generation == GenerationDefaults("auto")
     off = build_parser().parse_args(["serve", "--model", model, "--generation-config", "vllm"])
-    assert configs.colocated_gateway_config(off).generation == GenerationConfig()
+    assert configs.colocated_gateway_config(off).generation == GenerationDefaults("vllm")
 
 
 def test_epd_asks_unset_flags_take_the_defaults_and_a_flag_it_sets_wins():
