@@ -44,6 +44,7 @@ def add_config_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         CONFIG_FLAG,
         metavar="FILE.yaml",
+        default=argparse.SUPPRESS,  # never parsed: no attribute
         help="vLLM's: this command's flags from a YAML file, one key per flag (max_model_len: 8192 or "
         "max-model-len: 8192; a list for a repeatable flag, true/false for a switch); a flag also "
         "written on the command line wins over the file's",
