@@ -8,6 +8,7 @@ import sys
 
 from epd.cli.flags.gateway import joined_dotted_flags
 from epd.cli.flags.modes import command_parser, command_tokens, ignored_flags_problem
+from epd.cli.parsers.flexible import dashed_flags, expanded_config_file
 from epd.cli.parsers.root import build_parser
 from epd.cli.parsers.serve import flags_before_role
 from epd.cli.preload import ensure_preloads, preload_choices
@@ -17,8 +18,11 @@ from epd.cli.secret_flags import hide_secrets_from_ps
 def parse_command(argv: list[str] | None = None) -> argparse.Namespace:
     """`epd`'s command line (`argv`, or the process's own) parsed, or exit 2 saying what to change."""
     parser = build_parser()
-    try:  # vLLM's dotted form of a JSON flag, as one JSON word
-        given = joined_dotted_flags(list(sys.argv[1:] if argv is None else argv))
+    # vLLM's spellings (`epd.cli.parsers.flexible`): --flag_name, --config FILE.yaml, and the dotted
+    # form of a JSON flag as one JSON word
+    given = dashed_flags(list(sys.argv[1:] if argv is None else argv))
+    try:
+        given = joined_dotted_flags(expanded_config_file(parser, given))
     except ValueError as exc:
         parser.error(str(exc))
     args = parser.parse_args(given)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from epd.cli.parsers.flexible import dashed_flags
+
 SECRET_FLAGS = ("--api-key",)
 """Flags whose value is a secret: hidden from this process's command line as `ps` shows it."""
 
@@ -11,11 +13,11 @@ SECRET_FLAGS = ("--api-key",)
 def hide_secrets(argv: list[str]) -> list[str] | None:
     """`argv` with every SECRET_FLAGS value replaced by ***, or None when it holds none."""
     shown, hidden = list(argv), False
-    for i, word in enumerate(argv):
+    for i, word in enumerate(dashed_flags(argv)):  # --api_key too
         name, eq, _ = word.partition("=")
         if name in SECRET_FLAGS and eq:
             shown[i], hidden = f"{name}=***", True
-        elif word in SECRET_FLAGS and i + 1 < len(argv):
+        elif name in SECRET_FLAGS and i + 1 < len(argv):
             shown[i + 1], hidden = "***", True
     return shown if hidden else None
 

@@ -34,3 +34,15 @@ def test_ask_endpoint_refuses_the_embedded_models_flags_not_their_environment_de
     assert error.startswith("epd ask: error: --device does nothing with --endpoint: the flags of the model")
     assert "--close-timeout-s does nothing with --endpoint" in error and "drop --endpoint" in error
     assert "--model" not in error and "--dtype" not in error and "Traceback" not in proc.stderr
+
+
+def test_serve_colocate_refuses_them_from_a_config_file_and_spelled_with_underscores(tmp_path):
+    (path := tmp_path / "serve.yaml").write_text("routing: round-robin\nmax_model_len: 64\n")
+    proc = run("serve", "--colocate", "--config", str(path), "--encoder_port", "1")
+    assert proc.returncode == 2, proc.stderr
+    error = proc.stderr.strip().splitlines()[-1]
+    assert (
+        error.startswith("epd serve: error: --routing does nothing with --colocate")
+        and "Traceback" not in proc.stderr
+    )
+    assert "--encoder-port does nothing with --colocate" in error

@@ -26,6 +26,7 @@ from epd import __version__
 from epd.cli.flags.arg_types import positive_seconds
 from epd.cli.flags.server import add_tls_client_flags
 from epd.cli.parsers.ask import add_ask_command
+from epd.cli.parsers.flexible import add_config_flag
 from epd.cli.parsers.serve import add_serve_command
 
 
@@ -67,7 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_command(sub)
     _add_bench_command(sub)
     _add_health_command(sub)
+    for command in _commands(parser):
+        if command.prog != "epd bench":  # its suites read their own flags
+            add_config_flag(command)
     return parser
+
+
+def _commands(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """`parser`'s commands, theirs in turn (`epd serve`, `epd serve gateway`, ...)."""
+    subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return [c for s in subparsers for own in s.choices.values() for c in (own, *_commands(own))]
 
 
 def _add_bench_command(sub) -> None:

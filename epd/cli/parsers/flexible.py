@@ -1,0 +1,170 @@
+"""vLLM's command-line conveniences (its `FlexibleArgumentParser`, vllm/utils/argparse_utils.py),
+applied to `epd`'s words before argparse reads them, so a vLLM command line carries over:
+
+- a long flag's name with underscores is the dashed flag (`--max_model_len 8192`,
+  `--max_model_len=8192`): `dashed_flags`, the one place names are normalised;
+- `--config FILE.yaml`: a YAML mapping of flag names to values, expanded into the command's
+  flags where it stands, a flag the command line writes itself winning over the file's:
+  `expanded_config_file`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Collection
+
+from epd.cli.flags.modes import written_flags
+
+CONFIG_FLAG = "--config"
+
+
+def dashed_flag(word: str) -> str:
+    """`word`, a long flag's name with underscores read as dashes, as vLLM reads it
+    (`--max_model_len=8_192` -> `--max-model-len=8_192`): the name alone, up to `=` and to a dotted
+    key's `.` (`--structured_outputs_config.disable_any_whitespace`: the key is the JSON's own)."""
+    if not word.startswith("--") or word == "--":
+        return word
+    name, eq, value = word.partition("=")
+    flag, dot, key = name.partition(".")
+    return flag.replace("_", "-") + dot + key + eq + value
+
+
+def dashed_flags(words: list[str]) -> list[str]:
+    """`words` with every long flag's name dashed (`dashed_flag`); a word that does not start with
+    `--` (a value, a short flag) and everything after `--` left as written."""
+    if "--" in words:
+        end = words.index("--")
+        return [dashed_flag(word) for word in words[:end]] + words[end:]
+    return [dashed_flag(word) for word in words]
+
+
+def add_config_flag(parser: argparse.ArgumentParser) -> None:
+    """`--config FILE.yaml` in the command's --help; `expanded_config_file` replaces it by the file's
+    flags before argparse reads the command line."""
+    parser.add_argument(
+        CONFIG_FLAG,
+        metavar="FILE.yaml",
+        default=argparse.SUPPRESS,  # never parsed: no attribute
+        help="vLLM's: this command's flags from a YAML file, one key per flag (max_model_len: 8192 or "
+        "max-model-len: 8192; a list for a repeatable flag, true/false for a switch); a flag also "
+        "written on the command line wins over the file's",
+    )
+
+
+def expanded_config_file(root: argparse.ArgumentParser, words: list[str]) -> list[str]:
+    """`words` (dashed, `dashed_flags`) with `--config FILE` (or `--config=FILE`) replaced by the
+    file's flags (`config_file_words`), read for the command it follows (`epd serve`'s, `epd serve
+    gateway`'s); a command with no --config of its own (`epd bench`'s suites) is left its words.
+    ValueError, naming the file: more than one --config, no file, a file epd cannot take."""
+    end = words.index("--") if "--" in words else len(words)
+    at = [i for i, word in enumerate(words[:end]) if word.partition("=")[0] == CONFIG_FLAG]
+    if not at:
+        return words
+    parser, start = _command_at(root, words, at[0])
+    if CONFIG_FLAG not in parser._option_string_actions:
+        return words
+    if len(at) > 1:
+        raise ValueError(f"{CONFIG_FLAG} is given {len(at)} times: give one file (vLLM takes one too)")
+    i = at[0]
+    _, eq, path = words[i].partition("=")
+    if not eq:
+        if i + 1 == len(words) or words[i + 1].startswith("-"):
+            raise ValueError(f"{CONFIG_FLAG} needs a file: {CONFIG_FLAG} FILE.yaml")
+        path = words[i + 1]
+    rest = words[i + (1 if eq else 2) :]
+    written = set(written_flags(parser, words[start:i] + rest))
+    return words[:i] + config_file_words(parser, path, written) + rest
+
+
+def config_file_words(
+    parser: argparse.ArgumentParser, path: str, written: Collection[argparse.Action] = ()
+) -> list[str]:
+    """The flags of the YAML file at `path` as `parser`'s command-line words, by vLLM's rules
+    (`FlexibleArgumentParser.load_config_file`): `key: value` is `--key=value`; a list is the flag
+    once per item (a repeatable flag) or once with every item (a flag of several values), an empty one
+    nothing; a mapping is the flag's JSON; `true` is a switch written, `false` its `--no-` form where
+    it has one, else nothing (`key: false` is also `--no-key` alone). A flag in `written` (the command line's own) is left out: it wins.
+    ValueError naming the file (and the key): not YAML, not a mapping, a key no flag of `parser`'s,
+    a value that flag cannot take."""
+    import yaml
+
+    if not path.endswith((".yaml", ".yml")):
+        raise ValueError(f"{CONFIG_FLAG} {path}: a YAML file is named FILE.yaml or FILE.yml (as vLLM's)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+    except OSError as exc:
+        raise ValueError(f"{CONFIG_FLAG} {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{CONFIG_FLAG} {path}: not YAML: {' '.join(str(exc).split())}") from None
+    if config is None:  # an empty file: no flags
+        return []
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"{CONFIG_FLAG} {path}: a mapping of flag names to values (max_model_len: 8192), "
+            f"not a {type(config).__name__}"
+        )
+    words: list[str] = []
+    for key, value in config.items():
+        flag = dashed_flag(f"--{key}")
+        action = parser._option_string_actions.get(flag)
+        negative = parser._option_string_actions.get(f"--no-{flag[2:]}")
+        if action is None and negative is not None and isinstance(value, bool):
+            # `parallel_tool_calls: false` is --no-parallel-tool-calls, as vLLM reads it
+            flag, action, value = f"--no-{flag[2:]}", negative, not value
+        if action is None or flag == CONFIG_FLAG or not isinstance(key, str):
+            raise ValueError(
+                f"{CONFIG_FLAG} {path}: unknown key {key!r}: {parser.prog} has no {flag} "
+                f"(see {parser.prog} --help)"
+            )
+        if action not in written:
+            try:
+                words += _flag_words(parser, flag, action, value)
+            except ValueError as exc:
+                raise ValueError(f"{CONFIG_FLAG} {path}: key {key!r}: {exc}") from None
+    return words
+
+
+def _flag_words(
+    parser: argparse.ArgumentParser, flag: str, action: argparse.Action, value: object
+) -> list[str]:
+    if action.nargs == 0:  # a switch
+        if not isinstance(value, bool):
+            raise ValueError(f"{flag} is a switch: true or false, not {value!r}")
+        negative = "--no-" + flag.removeprefix("--")
+        if value:
+            return [flag]
+        return [negative] if negative in parser._option_string_actions else []
+    if value is None or isinstance(value, bool):
+        raise ValueError(f"{flag} takes a value, not {json.dumps(value)} (leave the key out for the default)")
+    if isinstance(value, list):
+        if isinstance(action, argparse._AppendAction):  # repeatable: the flag once per item
+            return [f"{flag}={_text(item)}" for item in value]
+        if action.nargs in (None, argparse.OPTIONAL):
+            raise ValueError(f"{flag} takes one value, not a list")
+        return [flag, *map(_text, value)] if value else []
+    return [f"{flag}={_text(value)}"]  # one word: a value starting with "-" is not read as a flag
+
+
+def _text(value: object) -> str:
+    """A YAML value as the flag's word: a mapping or list as JSON (a JSON flag), else its text."""
+    return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+
+
+def _command_at(
+    root: argparse.ArgumentParser, words: list[str], stop: int
+) -> tuple[argparse.ArgumentParser, int]:
+    """The (sub)command `words[stop]` belongs to (`epd serve gateway ...`: the gateway role's
+    parser), and where its own words start."""
+    parser, start, takes_value = root, 0, False
+    for i, word in enumerate(words[:stop]):
+        if takes_value:
+            takes_value = False
+        elif word.startswith("-"):
+            action = parser._option_string_actions.get(word.partition("=")[0])
+            takes_value = action is not None and "=" not in word and action.nargs != 0
+        else:
+            sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+            if sub is not None and word in sub.choices:
+                parser, start = sub.choices[word], i + 1
+    return parser, start
