@@ -162,8 +162,9 @@ class Pipeline:
         `max_model_len` leaves after a one-token prompt (vLLM fits its default to what the model
         takes: a prefill limit under the default refused every request without max_tokens).
         Under auto a request that comes before prefill has said waits for it (up to
-        `MODEL_INFO_WAIT_S`; the gateway reads it every 0.25 s until a replica answers), then is
-        refused (Unavailable): never answered with defaults other than the model's."""
+        `MODEL_INFO_WAIT_S`; the gateway reads it every 0.25 s until a replica answers), then asks
+        once itself: prefill's error (a refusal, UNAVAILABLE) is the request's, and never is it
+        answered with defaults other than the model's."""
         info = self.model_info()
         if configured.from_model:
             if info is None:

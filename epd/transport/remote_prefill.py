@@ -24,6 +24,7 @@ from epd.stages.contracts import EncodedMedia, MediaInput, PrefillHandle, Prefil
 from epd.stages.messages import ChatTemplateOptions, Message
 from epd.stages.model_info import ModelInfo
 from epd.stages.raw_prompt import RawPrompt
+from epd.stages.request_id import current_request_id
 from epd.stages.tokenize import TokenizeInput, TokenizeOutput
 from epd.token_pruning import PruningConfig
 from epd.transport import convert
@@ -31,7 +32,7 @@ from epd.transport.affinity import prefill_key, raw_prompt_key
 from epd.transport.aio_cancel import within
 from epd.transport.channel_cache import ChannelCache
 from epd.transport.errors import UpstreamError, stage_error
-from epd.transport.model_info import tokenize_output_from_proto, tokenize_request_to_proto
+from epd.transport.model_info import fetch_model_info, tokenize_output_from_proto, tokenize_request_to_proto
 from epd.transport.remote_encode import media_key
 from epd.transport.replica_pool import ReplicaPool
 from epd.transport.server import traced_channel
@@ -236,12 +237,16 @@ class RemotePrefillStage(PrefillStage):
         return self.known_model_info
 
     async def wait_model_info(self, timeout_s: float) -> ModelInfo | None:
-        # The background reads poll every 0.25 s until a replica answers: no call of its own here.
+        """The background reads poll every 0.25 s until a replica answers; when none has within
+        `timeout_s`, one call of its own, through the pool as any stage call: its answer, or the
+        stage's error, which says why (a gateway without the stages' internal secret is told so,
+        a replica that is down is UNAVAILABLE), where the background reads only log at DEBUG."""
         if self._known_model_info is None:
             try:
                 await within(self._model_info_known.wait(), timeout_s)
             except asyncio.TimeoutError:
-                pass
+                request_id = current_request_id()  # the waiting request's, when its door set it
+                return await self.pool.call("", fetch_model_info, "prefill", request_id, self.timeout_s)
         return self._known_model_info
 
     async def tokenize(self, request: TokenizeInput, request_id: str) -> TokenizeOutput:

@@ -19,8 +19,8 @@ from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.config import PrefillConfig
 from epd.prefill_svc.kv_store import KvStore
 from epd.prefill_svc.servicer import PrefillServicer
-from epd.stages.errors import Unavailable
 from epd.stages.model_info import ModelInfo, common_model_info
+from epd.transport.errors import UpstreamError
 from epd.transport.model_info import model_info_from_proto, model_info_to_proto
 from epd.transport.remote_prefill import RemotePrefillStage
 from epd.transport.replica_pool import ReplicaPool
@@ -261,7 +261,9 @@ def test_the_defaults_are_announced_once_they_are_known_and_when_they_change(cap
 def test_an_early_request_waits_for_prefills_model_info_and_is_refused_when_none_comes(monkeypatch):
     """Under auto a request that comes before any prefill replica has answered waits for the
     gateway's reads (a real PrefillService that starts later), never resolved without the model's
-    defaults; with none answering it is refused UNAVAILABLE."""
+    defaults; with none answering it asks once itself, and prefill's error is the request's
+    (here UNAVAILABLE: no replica serves; a refusal, such as a missing internal secret, passes on as
+    prefill words it: tests/integration/test_internal_auth.py)."""
     monkeypatch.setattr(pipeline_module, "MODEL_INFO_WAIT_S", 0.5)
 
     async def scenario():
@@ -270,8 +272,9 @@ def test_an_early_request_waits_for_prefills_model_info_and_is_refused_when_none
         pipeline = Pipeline(None, stage, None)  # type: ignore[arg-type]
         watch = asyncio.ensure_future(watch_model_info(stage, interval_s=0))
         try:
-            with pytest.raises(Unavailable, match="sampling defaults .* not known yet"):
+            with pytest.raises(UpstreamError, match="prefill stage unavailable") as refused:
                 await pipeline.request_defaults(GenerationDefaults("auto"))
+            assert refused.value.code == grpc.StatusCode.UNAVAILABLE
             assert (await pipeline.request_defaults(GenerationDefaults("vllm"))) == GenerationConfig()
             monkeypatch.setattr(pipeline_module, "MODEL_INFO_WAIT_S", 60.0)
             early = asyncio.ensure_future(pipeline.request_defaults(GenerationDefaults("auto")))
