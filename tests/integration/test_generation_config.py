@@ -15,7 +15,7 @@ import pytest
 
 from epd.cli.health import is_serving
 from epd.client import EpdClient
-from tests.integration.test_sampling_options import post_chat
+from tests.integration.gateway_http import post_chat
 from tests.reference import decode_for_test, reference_tokens
 from tests.stack import ROOT, Stack, child_env, epd_command, run_epd_forked, wait_until
 

@@ -26,6 +26,7 @@ from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MediaInput
 from epd.stages.messages import question_messages
 from epd.video.types import SamplingOptions
+from tests.integration.gateway_http import post_chat, post_embedded
 from tests.reference import decode_for_test, reference_tokens
 from tests.stack import ROOT, Stack
 
@@ -175,20 +176,6 @@ def chat(port: int, media_files, max_tokens: int = 8, stream: bool = False, **fi
     return post_chat(port, chat_body(media_files, max_tokens, **fields))
 
 
-def post_chat(port: int, body: dict) -> tuple[int, dict]:
-    """(HTTP status, JSON answer) of /v1/chat/completions with `body`."""
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
 def test_a_large_logit_bias_forces_its_token_through_the_http_api(shared_stack, media_files, greedy):
     forced = next(t for t in range(10, 500) if t not in greedy[:4])
     status, body = chat(shared_stack.http_port, media_files, max_tokens=4, logit_bias={str(forced): 100})
@@ -294,8 +281,6 @@ def test_allowed_token_ids_and_bad_words_in_the_embedded_pipeline_over_http(
 ):
     """The colocated server's path (`epd serve --colocate`: the HTTP API over the local stages in
     one process): both masks at once equal generate() with both of transformers' masks."""
-    from tests.integration.test_completions import post_embedded
-
     allowed = sorted(set(range(100, 200)) - set(greedy))
     only_allowed = masked_reference(tiny_models["qwen2_vl"], video, allowed)
     # a word of one token the answer holds after its first token: banned from then on
