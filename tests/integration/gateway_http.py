@@ -1,6 +1,6 @@
 """The gateway HTTP calls that several integration test files make, beside tests/local_http.py's
 `post_json` and `sse_chunks`: the embedded pipeline served on a free port as `epd serve --colocate`
-serves it (`post_embedded`), /v1/chat/completions (`post_chat`, and `_chat` about a video), and
+serves it (`post_embedded`), a question about a video to /v1/chat/completions (`_chat`), and
 /v1/models' card once the gateway has prefill's answer (`_model_card`)."""
 
 from __future__ import annotations
@@ -52,20 +52,6 @@ def post_embedded(
             await runner.cleanup()
 
     return asyncio.run(run())
-
-
-def post_chat(port: int, body: dict) -> tuple[int, dict]:
-    """(HTTP status, JSON answer) of /v1/chat/completions with `body`."""
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 def _get(port: int, path: str) -> dict:

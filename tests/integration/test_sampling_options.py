@@ -26,7 +26,8 @@ from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MediaInput
 from epd.stages.messages import question_messages
 from epd.video.types import SamplingOptions
-from tests.integration.gateway_http import post_chat, post_embedded
+from tests.integration.gateway_http import post_embedded
+from tests.local_http import post_json
 from tests.reference import decode_for_test, reference_tokens
 from tests.stack import ROOT, Stack
 
@@ -173,7 +174,7 @@ def chat_body(media_files, max_tokens: int = 8, **fields) -> dict:
 
 
 def chat(port: int, media_files, max_tokens: int = 8, stream: bool = False, **fields) -> tuple[int, dict]:
-    return post_chat(port, chat_body(media_files, max_tokens, **fields))
+    return post_json(port, "/v1/chat/completions", chat_body(media_files, max_tokens, **fields))
 
 
 def test_a_large_logit_bias_forces_its_token_through_the_http_api(shared_stack, media_files, greedy):
@@ -422,7 +423,7 @@ def test_a_bad_word_the_model_cannot_ban_is_a_400_before_the_prompt_runs(wide_to
 
     def chat_text(**fields) -> tuple[int, dict]:
         body = {"model": "epd", "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}], **fields}
-        return post_chat(port, body)
+        return post_json(port, "/v1/chat/completions", body)
 
     before = _prefill_requests_and_steps(port)
     status, body = chat_text(bad_words=["red", BEYOND_LOGITS])
