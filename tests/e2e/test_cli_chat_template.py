@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from tests.integration.test_chat_template import OVERRIDE
+from tests.chat_templates import OVERRIDE
 from tests.reference import template_reference
 from tests.stack import run_epd_forked
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from tests.integration.test_chat_template_kwargs import GENERATION_PROMPT, THINKING_PROMPT
+from tests.chat_templates import GENERATION_PROMPT, THINKING_PROMPT
 from tests.reference import template_reference
 from tests.stack import Stack, run_epd_forked
 

@@ -40,19 +40,6 @@ def stack(tiny_models, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def long_clip(tmp_path_factory):
-    """One keyframe in 30 s of 640x480: decoding 256 frames of it takes the encoder seconds."""
-    return make_video(
-        tmp_path_factory.mktemp("long") / "long.mp4",
-        size=(640, 480),
-        fps=30.0,
-        seconds=30.0,
-        gop=900,
-        pattern="texture",
-    )
-
-
-@pytest.fixture(scope="module")
 def slow_clip(tmp_path_factory):
     """long_clip at 1280x720: its one decode takes the encoder about a second, so a second request
     has the time to join it before the first leaves."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 
 from epd.gateway.chat_answer import UNSET_MESSAGE_FIELDS
-from tests.integration.test_continue_final_message import CHAT, VIDEO_EARLIER, continued_over_http
+from tests.integration.continued_chat import CHAT, VIDEO_EARLIER, continued_over_http
 from tests.local_http import post_json, sse_chunks
 
 GIVEN = VIDEO_EARLIER[-1]["content"][0]["text"]  # "It is": the assistant's start, continued

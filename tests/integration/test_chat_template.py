@@ -26,6 +26,7 @@ from epd.stages.errors import InvalidRequest
 from epd.stages.messages import ChatTemplateOptions, from_chat_template
 from epd.stages.tokenize import TokenizeInput
 from epd.video.types import SamplingOptions
+from tests.chat_templates import GENERATION_PROMPT, OVERRIDE
 from tests.embedded import request_summary
 from tests.local_http import post_json
 from tests.reference import decode_for_test, template_reference
@@ -36,16 +37,6 @@ NUM_FRAMES = 4
 TEXT_ONLY = [{"role": "user", "content": [{"type": "text", "text": "name a colour"}]}]
 VIDEO = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what moves?"}]}]
 
-SYSTEM = "You are a helpful assistant."
-OVERRIDE = CHAT_TEMPLATE.replace(SYSTEM, "You answer {{ style | default('in one word') }}.").replace(
-    "{% if message['content'] is string %}",
-    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}{% endgeneration %}"
-    "{% elif message['content'] is string %}",
-)
-"""The tiny Qwen2-VL's template with another system prompt, a variable of its own (`style`) and
-transformers' `{% generation %}` tag, which plain jinja2 does not parse (its variables were
-then all dropped)."""
-GENERATION_PROMPT = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 REQUEST_TEMPLATE = CHAT_TEMPLATE.replace(
     GENERATION_PROMPT, "{% if add_generation_prompt %}<|im_start|>assistant (in French)\n{% endif %}"
 )

@@ -28,6 +28,7 @@ from epd.stages.messages import ChatTemplateOptions, from_chat_template
 from epd.stages.raw_prompt import RawPrompt
 from epd.stages.tokenize import TokenizeInput
 from epd.video.types import SamplingOptions
+from tests.chat_templates import GENERATION_PROMPT, THINKING_PROMPT
 from tests.embedded import request_summary
 from tests.families import FAMILIES, family_checkpoints
 from tests.local_http import post_json, sse_chunks
@@ -49,15 +50,6 @@ VIDEO_EARLIER = [
     {"role": "assistant", "content": [{"type": "text", "text": "a square"}]},
     {"role": "user", "content": [{"type": "text", "text": "which colour is it?"}]},
 ]
-
-GENERATION_PROMPT = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-THINKING_PROMPT = (
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{% else %}<think>\n{% endif %}{% endif %}"
-)
-"""Qwen3.5's generation prompt (a thinking block opened, or closed empty with enable_thinking
-false), put into the tiny Qwen2-VL's template: a family with a prefix cache whose template reads it."""
 
 
 @pytest.fixture(scope="module")

@@ -12,21 +12,15 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
-from typing import Any
 
-import aiohttp
 import grpc
 import openai
 import pytest
-from aiohttp import web
 from transformers import AutoTokenizer
 
 from epd.client import EpdClient, EpdError
 from epd.gateway.ask_types import AskRequest
-from epd.gateway.config import GatewayConfig
 from epd.gateway.embedded import build_embedded_pipeline
-from epd.gateway.http_api import HttpApi
-from epd.gateway.metrics import GatewayMetrics
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.hf_reference import whole_model
 from epd.model_runtime.sampling import GenerationConfig
@@ -36,6 +30,7 @@ from epd.stages.raw_prompt import RawPrompt
 from tests import reference
 from tests.embedded import request_summary
 from tests.families import FAMILIES, family_checkpoints
+from tests.integration.gateway_http import post_embedded
 
 PROMPT = "Once upon a time, in a land far away,"
 MAX_TOKENS = 12
@@ -52,38 +47,6 @@ def raw_reference(model_dir) -> tuple[list[int], list[int]]:
 
 
 # -- the HTTP API over the embedded pipeline -----------------------------------------------------
-
-
-async def _post(url: str, path: str, body: dict) -> tuple[int, Any]:
-    """(status, JSON body) of a plain answer, or (status, [each SSE event's JSON]) of a stream."""
-    async with aiohttp.ClientSession() as session, session.post(url + path, json=body) as resp:
-        if not body.get("stream") or resp.status != 200:
-            return resp.status, await resp.json()
-        events = [
-            line[len("data: ") :] for line in (await resp.text()).splitlines() if line.startswith("data: ")
-        ]
-        assert events[-1] == "[DONE]"
-        return resp.status, [json.loads(e) for e in events[:-1]]
-
-
-def post_embedded(
-    pipeline, *requests: tuple[str, dict], config: GatewayConfig | None = None
-) -> list[tuple[int, Any]]:
-    """Each (path, body) posted in turn to the HTTP API (`config`'s, the defaults by default)
-    served over `pipeline` on a free port, as `epd serve --colocate` serves it."""
-
-    async def run() -> list[tuple[int, Any]]:
-        api = HttpApi(config or GatewayConfig(), pipeline, GatewayMetrics())
-        runner = web.AppRunner(api.app(), handler_cancellation=True)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        try:
-            url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-            return [await _post(url, path, body) for path, body in requests]
-        finally:
-            await runner.cleanup()
-
-    return asyncio.run(run())
 
 
 def streamed(events: list[dict], field: str = "text") -> tuple[str, list[int], dict]:

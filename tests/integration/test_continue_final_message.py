@@ -9,7 +9,6 @@ stack's HTTP (plain and streamed) and gRPC doors. The answer is the continuation
 from __future__ import annotations
 
 import asyncio
-import base64
 import shutil
 
 import grpc
@@ -28,26 +27,24 @@ from epd.stages.tokenize import TokenizeInput
 from epd.video.types import SamplingOptions
 from tests.embedded import request_summary
 from tests.families import FAMILIES, family_checkpoints
+from tests.integration.continued_chat import (
+    CHAT,
+    CONTINUE,
+    MAX_NEW_TOKENS,
+    NUM_FRAMES,
+    VIDEO_EARLIER,
+    _openai,
+    continued_over_http,
+)
 from tests.local_http import post_json, sse_chunks
 from tests.reference import decode_for_test, template_reference
 from tests.stack import Stack
 
-MAX_NEW_TOKENS = 8
-NUM_FRAMES = 4
-CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
-CHAT = "/v1/chat/completions"
-
-# The processor's chat form, each ending with the assistant's (partial) answer.
+# The processor's chat form, ending with the assistant's (partial) answer (as VIDEO_EARLIER does).
 TEXT_ONLY = [
     {"role": "system", "content": [{"type": "text", "text": "answer briefly"}]},
     {"role": "user", "content": [{"type": "text", "text": "name a colour"}]},
     {"role": "assistant", "content": [{"type": "text", "text": "The colour is"}]},
-]
-VIDEO_EARLIER = [
-    {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what moves?"}]},
-    {"role": "assistant", "content": [{"type": "text", "text": "a square"}]},
-    {"role": "user", "content": [{"type": "text", "text": "which colour is it?"}]},
-    {"role": "assistant", "content": [{"type": "text", "text": "It is"}]},
 ]
 
 
@@ -109,39 +106,6 @@ def test_every_family_continues_the_assistants_message_or_answers_after_it_as_ge
 
 
 # -- through the real processes (tiny Qwen2-VL) ------------------------------------------------
-
-
-def _openai(messages: list[dict], url: str) -> list[dict]:
-    return [
-        {
-            "role": m["role"],
-            "content": [
-                {"type": "video_url", "video_url": {"url": url}} if p["type"] == "video" else p
-                for p in m["content"]
-            ],
-        }
-        for m in messages
-    ]
-
-
-def continued_over_http(tiny_models, media_files) -> tuple[list[int], list[int], str, dict]:
-    """VIDEO_EARLIER continued on tiny Qwen2-VL: (prompt ids, generate()'s new tokens, their text,
-    the chat-completions body that asks for them)."""
-    from transformers import AutoProcessor
-
-    path = tiny_models["qwen2_vl"]
-    video = decode_for_test(media_files["mp4"], NUM_FRAMES)
-    prompt_ids, want = template_reference(path, VIDEO_EARLIER, MAX_NEW_TOKENS, video, **CONTINUE)
-    text = AutoProcessor.from_pretrained(str(path)).tokenizer.decode(want, skip_special_tokens=True)
-    url = "data:video/mp4;base64," + base64.b64encode(media_files["mp4"].read_bytes()).decode()
-    body = {
-        "model": "epd",
-        "messages": _openai(VIDEO_EARLIER, url),
-        "max_tokens": MAX_NEW_TOKENS,
-        "media": {"num_frames": NUM_FRAMES},
-        **CONTINUE,
-    }
-    return prompt_ids, want, text, body
 
 
 def test_the_stack_continues_a_message_over_http_streamed_and_grpc(shared_stack, tiny_models, media_files):

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import os
 import time
-import urllib.request
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from epd.client import EpdClient
+from tests.integration.engine_metrics import _by_stage, _metrics
 from tests.stack import replica_file_stack, stage_replica, wait_until_serving
 
 ENGINE_METRICS = (
@@ -27,23 +27,6 @@ ENGINE_METRICS = (
 )
 STAGES = ("encoder", "prefill", "decode")
 WAIT_S = 30.0  # a deadline for the gateway to see a change, not a timing assertion
-
-
-def _metrics(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
-        assert resp.status == 200
-        return resp.read().decode()
-
-
-def _by_stage(text: str, name: str) -> dict[str, float]:
-    """stage label -> the sample's value, summed over cores and replicas."""
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                stage = sample.labels["stage"]
-                out[stage] = out.get(stage, 0.0) + sample.value
-    return out
 
 
 def test_every_stage_reports_its_engine_load_and_steps_grow(shared_stack, tmp_path):

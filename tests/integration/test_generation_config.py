@@ -17,7 +17,7 @@ import pytest
 
 from epd.cli.health import is_serving
 from epd.client import EpdClient
-from tests.integration.test_sampling_options import post_chat
+from tests.local_http import post_json
 from tests.reference import decode_for_test, reference_tokens
 from tests.stack import ROOT, Stack, bound_ports, child_env, epd_command, run_epd_forked, wait_until
 
@@ -80,7 +80,8 @@ def test_the_models_sampling_defaults_apply_where_a_request_leaves_them_unset(
             # the request's own penalty wins
             own = client.ask(mp4, QUESTION, num_frames=NUM_FRAMES, repetition_penalty=1.0)
             assert own.token_ids == plain
-        status, body = post_chat(stack.http_port, chat_body(mp4))  # HTTP: no max_tokens, no penalty
+        # HTTP: no max_tokens, no penalty
+        status, body = post_json(stack.http_port, "/v1/chat/completions", chat_body(mp4))
         assert status == 200 and body["epd"]["token_ids"] == want, body
         # `epd ask --endpoint`: its unset flags are left unset on the wire
         ask = [
@@ -111,7 +112,9 @@ def test_the_models_sampling_defaults_apply_where_a_request_leaves_them_unset(
                 cwd=ROOT,
             )
         wait_until(lambda: is_serving(stack.gateway, timeout_s=1.0), "the restarted gateway serving")
-        status, body = post_chat(stack.http_port, chat_body(mp4, max_tokens=CREATORS_MAX_NEW_TOKENS))
+        status, body = post_json(
+            stack.http_port, "/v1/chat/completions", chat_body(mp4, max_tokens=CREATORS_MAX_NEW_TOKENS)
+        )
         assert status == 200 and body["epd"]["token_ids"] == plain != want, body
 
 

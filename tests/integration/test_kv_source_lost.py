@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from epd.transport.affinity import rendezvous_order
-from tests.integration.test_n_choices import _wait_until_nothing_is_held
+from tests.integration.engine_metrics import _wait_until_nothing_is_held
 from tests.stack import Stack, stage_replica, wait_until_serving
 
 FRAMES = 4

@@ -33,7 +33,7 @@ from epd.stages.raw_prompt import RawPrompt
 from epd.stages.server_config import ServerConfig
 from epd.video.types import SamplingOptions
 from tests.embedded import request_summary
-from tests.integration.test_model_info import _chat, _model_card
+from tests.integration.gateway_http import _chat, _model_card
 from tests.reference import decode_for_test, reference_tokens
 from tests.stack import Stack, stage_replica
 

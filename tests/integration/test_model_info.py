@@ -7,11 +7,7 @@ does, and /tokenize and /detokenize answer with prefill's tokenizer."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
-import time
-import urllib.error
-import urllib.request
 
 import grpc
 import pytest
@@ -31,6 +27,7 @@ from epd.stages.messages import from_chat_template, question_messages, to_chat_t
 from epd.stages.server_config import ServerConfig
 from epd.v1 import load_pb2, load_pb2_grpc
 from epd.video.types import SamplingOptions
+from tests.integration.gateway_http import _chat, _get, _model_card
 from tests.local_http import post_json
 from tests.media import make_video
 from tests.stack import Stack
@@ -41,35 +38,10 @@ def _text_config(model_dir) -> dict:
     return config.get("text_config", config)
 
 
-def _get(port: int, path: str) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as reply:
-        return json.loads(reply.read())
-
-
-def _chat(port: int, video: bytes, **fields) -> tuple[int, dict]:
-    url = "data:video/mp4;base64," + base64.b64encode(video).decode()
-    body = {"model": "epd", "max_tokens": 2, "media": {"num_frames": 2}, **fields,
-            "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
-                                                      {"type": "text", "text": "what happens?"}]}]}  # fmt: skip
-    body = {name: value for name, value in body.items() if value is not None}  # None: a field left unset
-    return post_json(port, "/v1/chat/completions", body)
-
-
 def _encoder_steps(address: str) -> int:
     with grpc.insecure_channel(address) as channel:
         reply = load_pb2_grpc.LoadServiceStub(channel).GetLoad(load_pb2.GetLoadRequest(), timeout=10)
     return sum(core.num_steps for core in reply.cores)
-
-
-def _model_card(port: int, timeout_s: float = 30.0) -> dict:
-    """/v1/models' one model, once the gateway has prefill's answer (it reads it in the background
-    once it serves; the stack counts as started when the gateway serves)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        card = _get(port, "/v1/models")["data"][0]
-        if card["max_model_len"] is not None or time.monotonic() > deadline:
-            return card
-        time.sleep(0.1)
 
 
 def test_the_stack_gateway_refuses_a_token_id_outside_the_vocabulary_before_the_encode(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,8 +25,8 @@ from epd.gateway.embedded import build_embedded_pipeline
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.sampling import MAX_CHOICES
 from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, messages_pb2
-from tests.integration.test_completions import post_embedded
-from tests.integration.test_engine_load_metrics import _by_stage, _metrics
+from tests.integration.engine_metrics import _by_stage, _metrics, _wait_until_nothing_is_held
+from tests.integration.gateway_http import post_embedded
 from tests.local_http import post_json, sse_chunks
 from tests.reference import decode_for_test, reference_tokens
 
@@ -35,7 +34,6 @@ QUESTION = "what colour is the moving square?"
 NUM_FRAMES = 4
 MAX_NEW_TOKENS = 8
 SEED = 20261130
-WAIT_S = 30.0  # a deadline for the services to settle, not a timing assertion
 
 
 @pytest.fixture(scope="module")
@@ -292,22 +290,6 @@ def test_a_client_that_leaves_frees_every_choice(shared_stack, media_files):
             if line.startswith("data: {"):
                 seen |= {c["index"] for c in json.loads(line[6:])["choices"] if c.get("token_ids")}
     _wait_until_nothing_is_held(port)
-
-
-def _wait_until_nothing_is_held(port: int) -> None:
-    """No decoder runs a request or holds KV room, and prefill's KV store is empty."""
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        text = _metrics(port)
-        held = {
-            "running": _by_stage(text, "epd_engine_running_requests").get("decode"),
-            "decode memory": _by_stage(text, "epd_engine_memory_used_bytes").get("decode"),
-            "kv store": _by_stage(text, "epd_kv_store_caches").get("prefill"),
-        }
-        if set(held.values()) == {0.0} or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert held == dict.fromkeys(held, 0.0)
 
 
 def test_choices_in_the_colocated_server(tiny_models, media_files):

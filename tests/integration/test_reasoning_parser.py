@@ -25,8 +25,7 @@ from epd.gateway.config import GatewayConfig, HttpApiConfig
 from epd.gateway.embedded import build_embedded_pipeline
 from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
-from tests.integration.test_completions import post_embedded
-from tests.integration.test_model_info import _model_card
+from tests.integration.gateway_http import _model_card, post_embedded
 from tests.local_http import post_json, sse_chunks
 from tests.stack import Stack
 

@@ -13,7 +13,7 @@ import urllib.request
 import openai
 import pytest
 
-from tests.integration.test_structured_outputs import SCHEMA
+from tests.integration.structured_cases import SCHEMA
 from tests.tool_data import WEATHER, no_whitespace_bias
 
 QUESTION = "what colour is the moving square?"

@@ -26,6 +26,8 @@ from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import MediaInput
 from epd.stages.messages import question_messages
 from epd.video.types import SamplingOptions
+from tests.integration.gateway_http import post_embedded
+from tests.local_http import post_json
 from tests.reference import decode_for_test, reference_tokens
 from tests.stack import ROOT, Stack
 
@@ -172,21 +174,7 @@ def chat_body(media_files, max_tokens: int = 8, **fields) -> dict:
 
 
 def chat(port: int, media_files, max_tokens: int = 8, stream: bool = False, **fields) -> tuple[int, dict]:
-    return post_chat(port, chat_body(media_files, max_tokens, **fields))
-
-
-def post_chat(port: int, body: dict) -> tuple[int, dict]:
-    """(HTTP status, JSON answer) of /v1/chat/completions with `body`."""
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return post_json(port, "/v1/chat/completions", chat_body(media_files, max_tokens, **fields))
 
 
 def test_a_large_logit_bias_forces_its_token_through_the_http_api(shared_stack, media_files, greedy):
@@ -294,8 +282,6 @@ def test_allowed_token_ids_and_bad_words_in_the_embedded_pipeline_over_http(
 ):
     """The colocated server's path (`epd serve --colocate`: the HTTP API over the local stages in
     one process): both masks at once equal generate() with both of transformers' masks."""
-    from tests.integration.test_completions import post_embedded
-
     allowed = sorted(set(range(100, 200)) - set(greedy))
     only_allowed = masked_reference(tiny_models["qwen2_vl"], video, allowed)
     # a word of one token the answer holds after its first token: banned from then on
@@ -437,7 +423,7 @@ def test_a_bad_word_the_model_cannot_ban_is_a_400_before_the_prompt_runs(wide_to
 
     def chat_text(**fields) -> tuple[int, dict]:
         body = {"model": "epd", "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}], **fields}
-        return post_chat(port, body)
+        return post_json(port, "/v1/chat/completions", body)
 
     before = _prefill_requests_and_steps(port)
     status, body = chat_text(bad_words=["red", BEYOND_LOGITS])

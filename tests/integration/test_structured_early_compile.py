@@ -20,12 +20,11 @@ import pytest
 from epd.client import EpdClient
 from epd.client.types import EpdError, StageEvent
 from epd.model_runtime.structured_output import MAX_ABANDONED_COMPILES
-from tests.integration.test_cancellation import long_clip as _long_clip
-from tests.integration.test_structured_gateway import SLOW_REGEX
-from tests.integration.test_structured_outputs import (
+from tests.integration.structured_cases import (
     CASES,
     NUM_FRAMES,
     QUESTION,
+    SLOW_REGEX,
     chat,
     chat_request,
     masked_references,
@@ -47,9 +46,6 @@ def stack(tiny_models, tmp_path_factory):
         http=True,
     ) as s:
         yield s
-
-
-long_clip = _long_clip  # test_cancellation's fixture: a clip whose decode takes the encoder seconds
 
 
 def salt() -> str:

@@ -12,9 +12,10 @@ import sys
 
 import pytest
 
-from tests.integration.test_structured_outputs import (
+from tests.integration.structured_cases import (
     CASES,
     NUM_FRAMES,
+    SLOW_REGEX,
     chat,
     check_text,
     masked_references,
@@ -23,11 +24,6 @@ from tests.reference import decode_for_test
 from tests.stack import Stack, child_env
 
 TIMEOUT_S = 0.5
-SLOW_REGEX = "[a-z]*" * 10000
-"""A regex xgrammar takes seconds to compile (about 2.7 s on a quiet core of the 2-core VM, on the
-tiny vocabulary; the time grows with the square of the repeats: 5000 took 0.65 s, too close to
-TIMEOUT_S for the compile to be sure to outlive the next request), within the 64 KiB a spec may
-have."""
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ under that grammar's mask (`masked_references`, xgrammar's own matcher)."""
 from __future__ import annotations
 
 from epd.client import EpdClient
-from tests.integration.test_structured_outputs import (
+from tests.integration.structured_cases import (
     CASES,
     MAX_TOKENS,
     NUM_FRAMES,

@@ -7,6 +7,10 @@ and no gRPC below the transport layer.
     3 engines     epd.{encoder,prefill,decode}_svc, except their gRPC modules
     4 transport   epd.transport; the services' servicer.py, server.py and kv_pull.py
     5 front doors epd.gateway, epd.client, epd.cli, epd.bench, epd.synth, epd.train
+
+In tests/, test modules are leaves: none imports another (its helpers would hide in a test file,
+and a test's outcome would hang on which file pytest collected first); what two test files share
+lives in a module not named test_* beside them, or in their folder's conftest.py.
 """
 
 from __future__ import annotations
@@ -54,6 +58,16 @@ def epd_modules() -> dict[str, Path]:
     return modules
 
 
+def absolute_module(node: ast.ImportFrom, package: str) -> str:
+    """The module `from ... import` names, a relative one resolved against `package`."""
+    base = node.module or ""
+    if node.level:
+        base = ".".join(
+            package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+        )
+    return base
+
+
 def imports_of(path: Path, module: str) -> list[tuple[str, int]]:
     """(imported epd module or 'grpc', line) for every import in the file, relative ones resolved."""
     found = []
@@ -62,12 +76,7 @@ def imports_of(path: Path, module: str) -> list[tuple[str, int]]:
         if isinstance(node, ast.Import):
             found += [(a.name, node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(
-                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
-                )
-            found.append((base, node.lineno))
+            found.append((absolute_module(node, package), node.lineno))
     return [(name, line) for name, line in found if name.split(".")[0] in ("epd", "grpc", "grpc_health")]
 
 
@@ -117,3 +126,65 @@ def test_no_package_circles():
 
     circles = sorted(f"{a} -> {b} -> ... -> {a}" for a in edges for b in edges[a] if reaches(b, a, set()))
     assert circles == [], circles
+
+
+ROOT = EPD.parent
+
+
+def imported_test_modules(source: str, package: str) -> list[str]:
+    """'line N: tests.x.test_y' for each test module of tests/ that `source` (a module of `package`)
+    imports, in any form: `import`, `from ... import name`, `from package import test_module`,
+    relative, or inside a function."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = absolute_module(node, package)
+            submodules = [f"{base}.{a.name}" for a in node.names]
+            names = [base] + [m for m in submodules if (ROOT / (m.replace(".", "/") + ".py")).is_file()]
+        else:
+            continue
+        found += [
+            f"line {node.lineno}: {name}"
+            for name in names
+            if name.split(".")[0] == "tests" and name.rpartition(".")[2].startswith("test_")
+        ]
+    return found
+
+
+def test_the_check_finds_a_test_module_imported_in_every_form():
+    source = (
+        "import aiohttp.test_utils\n"
+        "from tests.stack import Stack\n"
+        "from tests.integration.test_completions import PROMPT\n"
+        "import tests.unit.test_layers\n"
+        "from tests.unit import test_layers, conftest\n"
+        "from . import test_layers as layers\n"
+        "from .test_layers import EPD\n"
+        "def f():\n"
+        "    from ..integration.test_completions import PROMPT\n"
+    )
+    assert imported_test_modules(source, "tests.unit") == [
+        "line 3: tests.integration.test_completions",
+        "line 4: tests.unit.test_layers",
+        "line 5: tests.unit.test_layers",
+        "line 6: tests.unit.test_layers",
+        "line 7: tests.unit.test_layers",
+        "line 9: tests.integration.test_completions",
+    ]
+
+
+def test_no_module_of_tests_imports_a_test_module():
+    bad = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        rel = path.relative_to(ROOT)
+        bad += [
+            f"{rel} {found}" for found in imported_test_modules(path.read_text(encoding="utf-8"), package)
+        ]
+    assert bad == [], (
+        "a test module imports another; move what they share into a module not named test_* beside "
+        "them (or the folder's conftest.py for a fixture): " + "; ".join(bad)
+    )

@@ -21,59 +21,25 @@ from tests.unit.deploy.epd_commands import (
     serve_config,
     stop_bound_s,
 )
+from tests.unit.deploy.k8s_objects import (
+    K8S,
+    KEY,
+    POD_IP,
+    container,
+    container_env,
+    expand,
+    load_objects,
+    of_kind,
+    pod,
+)
 
-K8S = ROOT / "deploy" / "k8s"
 COMPONENT = "app.kubernetes.io/component"
-POD_IP = "10.244.3.17"  # what the kubelet puts in an env var from fieldRef status.podIP
-KEY = "key-from-the-secret"
 INTERNAL_SECRET = "epd-internal-secret"
 """The Secret (created out of band, key `secret`) the four Deployments mount."""
 
 
-def load_objects() -> list[dict]:
-    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    return [d for f in kust["resources"] for d in yaml.safe_load_all((K8S / f).read_text()) if d]
-
-
-def of_kind(objs: list[dict], kind: str) -> list[dict]:
-    return [o for o in objs if o.get("kind") == kind]
-
-
-def pod(dep: dict) -> dict:
-    return dep["spec"]["template"]
-
-
-def container(dep: dict) -> dict:
-    return pod(dep)["spec"]["containers"][0]
-
-
 def selects(selector: dict, labels: dict) -> bool:
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
-
-
-def container_env(c: dict, objs: list[dict]) -> dict[str, str]:
-    """envFrom ConfigMaps, then env: downward-API IPs and required Secret keys as the kubelet gives them."""
-    maps = {m["metadata"]["name"]: m["data"] for m in of_kind(objs, "ConfigMap")}
-    env = {k: str(v) for src in c.get("envFrom", []) for k, v in maps[src["configMapRef"]["name"]].items()}
-    for e in c.get("env", []):
-        source = e.get("valueFrom") or {}
-        secret = source.get("secretKeyRef") or {}
-        field = (source.get("fieldRef") or {}).get("fieldPath")
-        env[e["name"]] = (
-            POD_IP
-            if field == "status.podIP"
-            else KEY
-            if secret and not secret.get("optional")
-            else ""
-            if source
-            else str(e.get("value", ""))
-        )
-    return env
-
-
-def expand(arg: str, env: dict[str, str]) -> str:
-    """Kubernetes' $(VAR) expansion in args: defined variables only; $$ escapes."""
-    return re.sub(r"\$\$|\$\((\w+)\)", lambda m: "$" if m[0] == "$$" else env.get(m[1], m[0]), arg)
 
 
 def check_manifests(objs: list[dict]) -> list[str]:

@@ -21,7 +21,7 @@ import yaml
 from epd.cli.parsers.root import build_parser
 from epd.transport.server import LIVENESS_SERVICE
 from tests.unit.deploy.epd_commands import serve_config
-from tests.unit.deploy.test_k8s import K8S, container, container_env, expand, load_objects, of_kind, pod
+from tests.unit.deploy.k8s_objects import K8S, container, container_env, expand, load_objects, of_kind, pod
 
 TLS = K8S.parent / "k8s-tls"
 SECRET = "epd-tls"

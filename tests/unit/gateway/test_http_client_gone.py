@@ -21,7 +21,7 @@ from epd.gateway.metrics import GatewayMetrics
 from epd.gateway.pipeline import Pipeline
 from epd.stages.contracts import TokenStep
 from epd.stages.server_config import ServerConfig
-from tests.unit.gateway.test_http_shutdown import BODY, JSON  # a streamed question about 64 bytes of "video"
+from tests.unit.gateway.streamed_body import BODY, JSON
 
 ROUTE = "/v1/chat/completions"
 

@@ -10,7 +10,6 @@ HTTP server's shutdown, which must not depend on how long an answer is."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import time
 
@@ -23,6 +22,7 @@ from epd.gateway.metrics import GatewayMetrics
 from epd.gateway.pipeline import Pipeline
 from epd.stages.contracts import TokenStep
 from epd.stages.server_config import ServerConfig
+from tests.unit.gateway.streamed_body import BODY, JSON
 
 
 class EndlessAnswer(Pipeline):
@@ -38,26 +38,6 @@ class EndlessAnswer(Pipeline):
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
-
-
-JSON = {"Content-Type": "application/json"}
-BODY = json.dumps(
-    {
-        "stream": True,
-        "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {
-                        "type": "video_url",
-                        "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(b"v" * 64).decode()},
-                    },
-                    {"type": "text", "text": "what happens?"},
-                ],
-            }
-        ],
-    }
-).encode()
 
 
 async def _stop_while_streaming(grace_s: float, hurry_after_s: float | None) -> tuple[float, str, bool]:

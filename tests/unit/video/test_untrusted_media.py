@@ -15,12 +15,13 @@ import pytest
 
 from epd.video import budget, simple_decoder
 from epd.video.decord_backend import DecordDecoder
-from epd.video.keyframe_index import KeyframeIndexCache, build_video_index, content_sha256, probe_rotation
+from epd.video.keyframe_index import KeyframeIndexCache, build_video_index, content_sha256
 from epd.video.media_open import _open_av, open_video, sniff_container
 from epd.video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder
 from epd.video.types import DecodeLimits, MediaError, MediaLimitError, SamplingOptions
 from tests.local_http import recording_server
 from tests.media import make_audio_flood, make_packet_flood, make_resolution_change, make_video
+from tests.unit.video.entry_points import _entry_points
 
 ROOT = Path(__file__).resolve().parents[3]
 SECRET = "EPD-UNIT-SECRET-7f3a"
@@ -55,18 +56,6 @@ def _payloads(port: int) -> dict[str, bytes]:
         "subfile": b"subfile,,start,0,end,0,,:secret.txt",
         "concat_protocol": b"concat:local.mp4|local.mp4",
         "data_uri": b"data:video/mp4;base64,AAAA",
-    }
-
-
-def _entry_points(decoder: ParallelDecoder) -> dict:
-    opts = SamplingOptions(num_frames=2)
-    return {
-        "simple": lambda data: simple_decoder.decode(data, opts),
-        "parallel_iter_groups": lambda data: list(decoder.iter_groups(data, opts, group_size=2)),
-        "build_video_index": lambda data: build_video_index(data),
-        "index_cache": lambda data: KeyframeIndexCache().get_or_build(data, DecodeLimits()),
-        "probe_rotation": lambda data: probe_rotation(data),
-        "open_video": lambda data: open_video(data).close(),
     }
 
 

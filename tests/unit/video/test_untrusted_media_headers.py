@@ -16,7 +16,7 @@ from epd.video.media_open import MAX_STREAMS, _open_av
 from epd.video.mp4_boxes import MAX_DECLARED_SAMPLES
 from epd.video.types import DecodeLimits, MediaError, MediaLimitError, SamplingOptions
 from tests import hostile_media
-from tests.unit.video.test_untrusted_media import _entry_points
+from tests.unit.video.entry_points import _entry_points
 
 # -- tracks: av.open opens a decoder for each --------------------------------------------------
 
