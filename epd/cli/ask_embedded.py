@@ -133,6 +133,8 @@ async def _embedded_stream(
         template = replace(template, tools=tools.tools)
         if tools.forced is not None:
             generation = replace(generation, structured_outputs=tools.forced)
+    # --structured-outputs-config, as the server's front door applies it to every request's spec
+    generation = configs.structured_outputs_config(args).applied(generation)
     request = AskRequest(
         messages=messages,
         media=None if media is None else MediaInput(media),

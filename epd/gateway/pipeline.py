@@ -35,7 +35,8 @@ from epd.gateway.ask_types import AskRequest, AskSummary, Emit, PipelineEvent, P
 from epd.gateway.choice_progress import ChoiceProgress, after_sent, first_logprob
 from epd.gateway.decode_room import DECODE_ROOM_WAIT_S, decode_when_room
 from epd.gateway.kv_release import RELEASES_WAIT_S, release_kv, release_outcome, wait_for_releases
-from epd.model_runtime.generation_defaults import GenerationDefaults, ModelDefaults, announce
+from epd.gateway.request_defaults import RequestDefaults
+from epd.model_runtime.generation_defaults import GenerationDefaults
 from epd.model_runtime.sampling import MAX_NEW_TOKENS, GenerationConfig
 from epd.stages.chat_template import refuse_untrusted
 from epd.stages.contracts import (
@@ -50,7 +51,7 @@ from epd.stages.contracts import (
     check_request_priority,
     pruning_stages_used,
 )
-from epd.stages.errors import InvalidRequest, KvSourceLost, Unavailable
+from epd.stages.errors import InvalidRequest, KvSourceLost
 from epd.stages.events import Finished, with_events
 from epd.stages.messages import ChatTemplateOptions, check_messages, media_type
 from epd.stages.model_info import ModelInfo
@@ -61,10 +62,6 @@ from epd.token_pruning import PruningStats
 from epd.transport import tracing
 
 log = logging.getLogger(__name__)
-
-MODEL_INFO_WAIT_S = 5.0
-"""How long a request under --generation-config auto waits for prefill's model info when it came
-before any replica answered (prefill just started serving); beyond, it is refused UNAVAILABLE."""
 
 
 async def _all_of(runs: list[Coroutine[Any, Any, None]]) -> None:
@@ -109,8 +106,7 @@ class Pipeline:
         self.prefill = prefill
         self.decoder = decoder
         self.decode_room_wait_s = decode_room_wait_s
-        self._announced: tuple[ModelDefaults | None] | None = None
-        """The model's sampling defaults last logged (`_announce`); None: none logged yet."""
+        self._defaults = RequestDefaults()
 
     async def aclose(self) -> None:
         """Release what the pipeline holds, once no request is in flight (the gateway calls it
@@ -156,46 +152,9 @@ class Pipeline:
         return None if info is None else info.max_logprobs
 
     async def request_defaults(self, configured: GenerationDefaults) -> GenerationConfig:
-        """The options a request leaves unset take (every door's): the server's, with the sampling
-        ones `configured` gives (--generation-config; auto: the model's, from prefill's model info,
-        with the override over them), and max_tokens no more than prefill's limit, nor than
-        `max_model_len` leaves after a one-token prompt (vLLM fits its default to what the model
-        takes: a prefill limit under the default refused every request without max_tokens).
-        Under auto a request that comes before prefill has said waits for it (up to
-        `MODEL_INFO_WAIT_S`; the gateway reads it every 0.25 s until a replica answers), then asks
-        once itself: prefill's error (a refusal, UNAVAILABLE) is the request's, and never is it
-        answered with defaults other than the model's."""
-        info = self.model_info()
-        if configured.from_model:
-            if info is None:
-                wait = getattr(self.prefill, "wait_model_info", None)  # a test's stand-in may have none
-                info = await wait(MODEL_INFO_WAIT_S) if callable(wait) else None
-            if info is None:
-                raise Unavailable(
-                    "the model's sampling defaults (--generation-config auto) are not known yet: no prefill "
-                    "replica has answered with its model info; retry once prefill serves (or start the "
-                    "gateway with --generation-config vllm or DIR)"
-                )
-            self._announce(info.generation_defaults, configured)
-        defaults = configured.resolve(None if info is None else info.generation_defaults)
-        limit = MAX_NEW_TOKENS if info is None else min(info.max_new_tokens, max(1, info.max_model_len - 1))
-        if defaults.max_new_tokens <= limit:
-            return defaults
-        return replace(defaults, max_new_tokens=limit)
-
-    def _announce(self, model: ModelDefaults | None, configured: GenerationDefaults) -> None:
-        """vLLM's warning naming the model's defaults taken, once they are first known (and again
-        when prefill's change: a model replaced behind the gateway)."""
-        if self._announced == (model,):
-            return
-        self._announced = (model,)
-        if model is None:
-            log.warning(
-                "--generation-config auto: prefill does not report its model's sampling defaults (a prefill "
-                "from before them, replicas whose models' differ, or a generation_config.json it could not "
-                "use: see its log); the server's own are taken"
-            )
-        announce(configured.resolve(model), configured.source)
+        """The options a request leaves unset take (every door's), by --generation-config
+        `configured` and what prefill takes (`epd.gateway.request_defaults`)."""
+        return await self._defaults.resolve(configured, self.model_info(), self.prefill)
 
     def _check_room_for_a_prompt(self, generation: GenerationConfig) -> None:
         """InvalidRequest when the max_tokens a client set fills the whole served context

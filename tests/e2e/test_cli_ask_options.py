@@ -1,11 +1,12 @@
 """`epd ask`'s options beyond a question about a video, in subprocesses, embedded and against a
 stack (the session's `shared_stack`): --prompt (a raw prompt), --logprobs and --prompt-logprobs,
---timeout (each question's deadline), the chat-template flags, the SDK's own checks against
---endpoint; each refusal says what to change."""
+--timeout (each question's deadline), the chat-template flags, --structured-outputs-config
+embedded, the SDK's own checks against --endpoint; each refusal says what to change."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -181,3 +182,22 @@ def test_ask_template_flags_without_messages_are_refused_saying_what_to_change(t
         refused = run_epd_forked("ask", *args)
         assert refused.returncode == 2 and says in refused.stderr, (args, refused.stderr)
         assert "Traceback" not in refused.stderr
+
+
+def test_ask_structured_outputs_config_holds_the_embedded_answer_to_no_free_whitespace(tiny_models):
+    """Embedded `epd ask --structured-outputs-config` (or its dotted form), as the server's front
+    door applies it: a JSON constraint's answer has no whitespace outside its strings, where the
+    tiny model pads the same request's JSON with whitespace without it."""
+    ask = ["ask", "--no-video", QUESTION, "--model", str(tiny_models["qwen2_vl"]), "--json-object",
+           "--max-new-tokens", "24", "--json"]  # fmt: skip
+
+    def free_whitespace(*flags: str) -> bool:
+        proc = run_epd_forked(*ask, *flags)
+        assert proc.returncode == 0, (flags, proc.stderr)
+        answer = json.loads(proc.stdout)["answer"]
+        assert answer.startswith("{"), (flags, answer)
+        return bool(re.search(r"\s", re.sub(r'"(?:[^"\\]|\\.)*"', '""', answer)))
+
+    assert free_whitespace(), "the tiny model pads no more: the test would prove nothing"
+    assert not free_whitespace("--structured-outputs-config", '{"disable_any_whitespace": true}')
+    assert not free_whitespace("--structured-outputs-config.disable_any_whitespace", "true")

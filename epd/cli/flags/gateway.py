@@ -193,11 +193,12 @@ def structured_outputs_config(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def add_structured_outputs_flags(p: argparse.ArgumentParser) -> None:
+def add_structured_outputs_flags(p: argparse.ArgumentParser) -> argparse.Action:
     """vLLM's server-wide structured-output options (the gateway role, and `epd serve` for its
-    gateway or the colocated front door): the front door applies them to every request's spec."""
+    gateway or the colocated front door; embedded `epd ask`'s, as its own front door): the front
+    door applies them to every request's spec."""
     g = p.add_argument_group("structured outputs")
-    g.add_argument(
+    return g.add_argument(
         STRUCTURED_OUTPUTS_CONFIG,
         type=structured_outputs_config,
         default=None,

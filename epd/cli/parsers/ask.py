@@ -4,7 +4,7 @@ embedded), tools and TLS, and the request's flags (`epd.cli.flags.request`)."""
 from __future__ import annotations
 
 from epd.cli.flags.arg_types import env, positive_seconds
-from epd.cli.flags.gateway import add_generation_config_flags
+from epd.cli.flags.gateway import add_generation_config_flags, add_structured_outputs_flags
 from epd.cli.flags.media import add_sampling_flags
 from epd.cli.flags.model import add_model_flags, add_preload_flags
 from epd.cli.flags.modes import EMBEDDED, ENDPOINT, serves_only
@@ -199,6 +199,12 @@ def add_ask_command(sub) -> None:
         EMBEDDED,
         "the defaults of the model epd ask loads itself; a gateway's come from its own --generation-config",
         *add_generation_config_flags(ask),
+    )
+    serves_only(
+        EMBEDDED,
+        "the structured-output options of the embedded front door; a gateway applies its own "
+        "(its --structured-outputs-config)",
+        add_structured_outputs_flags(ask),
     )
     add_generation_flags(ask)
     add_sampling_flags(ask)

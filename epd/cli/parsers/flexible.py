@@ -51,11 +51,20 @@ def add_config_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class ConfigFileError(ValueError):
+    """A --config its command cannot take. `command`: that command's parser, whose `error` names
+    it as every other usage error of the command does (`epd serve: error: --config FILE: ...`)."""
+
+    def __init__(self, command: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.command = command
+
+
 def expanded_config_file(root: argparse.ArgumentParser, words: list[str]) -> list[str]:
     """`words` (dashed, `dashed_flags`) with `--config FILE` (or `--config=FILE`) replaced by the
     file's flags (`config_file_words`), read for the command it follows (`epd serve`'s, `epd serve
     gateway`'s); a command with no --config of its own (`epd bench`'s suites) is left its words.
-    ValueError, naming the file: more than one --config, no file, a file epd cannot take."""
+    ConfigFileError, naming the file: more than one --config, no file, a file epd cannot take."""
     end = words.index("--") if "--" in words else len(words)
     at = [i for i, word in enumerate(words[:end]) if word.partition("=")[0] == CONFIG_FLAG]
     if not at:
@@ -63,6 +72,15 @@ def expanded_config_file(root: argparse.ArgumentParser, words: list[str]) -> lis
     parser, start = _command_at(root, words, at[0])
     if CONFIG_FLAG not in parser._option_string_actions:
         return words
+    try:
+        return _expanded(parser, words, start, at)
+    except ValueError as exc:
+        raise ConfigFileError(parser, str(exc)) from None
+
+
+def _expanded(parser: argparse.ArgumentParser, words: list[str], start: int, at: list[int]) -> list[str]:
+    """`expanded_config_file`'s words for `parser`, the command whose own words start at `start`;
+    `at`: where --config stands in them."""
     if len(at) > 1:
         raise ValueError(f"{CONFIG_FLAG} is given {len(at)} times: give one file (vLLM takes one too)")
     i = at[0]

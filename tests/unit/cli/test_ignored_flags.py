@@ -70,6 +70,16 @@ def refusal(capsys, argv: list[str]) -> str:
             "drop them, or drop --endpoint",
         ),
         ([*ENDPOINT, "--allocator=auto"], "--allocator does", "epd serve --allocator"),  # the default
+        (
+            [*ENDPOINT, "--structured-outputs-config", '{"disable_any_whitespace": true}'],
+            "--structured-outputs-config does",
+            "a gateway applies its own",
+        ),
+        (
+            [*ENDPOINT, "--structured-outputs-config.disable_any_whitespace", "true"],
+            "--structured-outputs-config does",
+            "",
+        ),
         ([*ENDPOINT, "--close-timeout-s", "5"], "--close-timeout-s does", "close waits for its threads"),
         (
             [*ENDPOINT, "--chat-template", "{{ messages }}"],
@@ -111,6 +121,7 @@ def test_each_reason_is_said_once_with_its_flags(capsys):
         [*ENDPOINT, "--timeout", "5", "--fps", "1", "--api-key", "k", "--tls-ca", "c"],
         [*ASK, "--device", "cpu", "--close-timeout-s", "1", "--chat-template", "t"],
         [*ASK, "--mkl-dispatch", "features", "--allocator", "system"],
+        [*ASK, "--structured-outputs-config.disable_any_whitespace", "true"],
         [*ENDPOINT, "--stop=--device"],  # a value that looks like a flag is a value
         [*ENDPOINT, "--seed", "-5"],
         [*ASK[:2], "--endpoint", "h:1", "--", "--device?"],  # after --, the question

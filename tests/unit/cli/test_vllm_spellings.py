@@ -154,7 +154,7 @@ def test_a_file_epd_cannot_take_exits_2_naming_the_file_and_key(tmp_path, capsys
         parse_command(["serve", "--config", str(path)])
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith(f"epd: error: --config {path}: ") and expected in err
+    assert err.startswith(f"epd serve: error: --config {path}: ") and expected in err
 
 
 @pytest.mark.parametrize(
@@ -170,4 +170,19 @@ def test_no_file_exits_2(capsys, words, expected):
     with pytest.raises(SystemExit) as exit_:
         parse_command(["serve", *words])
     assert exit_.value.code == 2
-    assert f"epd: error: {expected}" in capsys.readouterr().err
+    assert f"epd serve: error: {expected}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("command", "prog"),
+    [
+        (["ask", "v.mp4", "q"], "epd ask"),
+        (["serve", "gateway"], "epd serve gateway"),
+        (["health", "h:1"], "epd health"),
+    ],
+)
+def test_a_config_error_names_its_command_as_its_other_usage_errors(capsys, command, prog):
+    with pytest.raises(SystemExit) as exit_:
+        parse_command([*command, "--config", "/no/such.yaml"])
+    assert exit_.value.code == 2
+    assert f"{prog}: error: --config /no/such.yaml: No such file" in capsys.readouterr().err

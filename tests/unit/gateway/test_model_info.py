@@ -11,7 +11,7 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from epd.gateway import pipeline as pipeline_module
+from epd.gateway import request_defaults
 from epd.gateway.model_info import ReplicaModelInfo, refresh_model_info, watch_model_info
 from epd.gateway.pipeline import Pipeline
 from epd.model_runtime.generation_defaults import GenerationDefaults, generation_defaults
@@ -264,7 +264,7 @@ def test_an_early_request_waits_for_prefills_model_info_and_is_refused_when_none
     defaults; with none answering it asks once itself, and prefill's error is the request's
     (here UNAVAILABLE: no replica serves; a refusal, such as a missing internal secret, passes on as
     prefill words it: tests/integration/test_internal_auth.py)."""
-    monkeypatch.setattr(pipeline_module, "MODEL_INFO_WAIT_S", 0.5)
+    monkeypatch.setattr(request_defaults, "MODEL_INFO_WAIT_S", 0.5)
 
     async def scenario():
         pool = ReplicaPool([f"127.0.0.1:{free_port()}"])
@@ -276,7 +276,7 @@ def test_an_early_request_waits_for_prefills_model_info_and_is_refused_when_none
                 await pipeline.request_defaults(GenerationDefaults("auto"))
             assert refused.value.code == grpc.StatusCode.UNAVAILABLE
             assert (await pipeline.request_defaults(GenerationDefaults("vllm"))) == GenerationConfig()
-            monkeypatch.setattr(pipeline_module, "MODEL_INFO_WAIT_S", 60.0)
+            monkeypatch.setattr(request_defaults, "MODEL_INFO_WAIT_S", 60.0)
             early = asyncio.ensure_future(pipeline.request_defaults(GenerationDefaults("auto")))
             await asyncio.sleep(0)  # it waits: nothing is known yet
             assert not early.done()
