@@ -18,7 +18,8 @@ log = logging.getLogger(__name__)
 
 MODEL_INFO_WAIT_S = 5.0
 """How long a request under --generation-config auto waits for prefill's model info when it came
-before any replica answered (prefill just started serving); beyond, it is refused UNAVAILABLE."""
+before any replica answered (prefill just started serving); beyond, it asks prefill once itself
+(`wait_model_info`), whose answer or error is the request's."""
 
 
 class RequestDefaults:

@@ -117,7 +117,8 @@ def _sampling_fields(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def with_sampling_defaults(configured: GenerationConfig, defaults: Mapping[str, Any]) -> GenerationConfig:
-    """`configured` with `defaults` (from `sampling_defaults`) in place of its sampling fields:
+    """`configured` with `defaults` (`SAMPLING_KEYS` fields: the model's, a folder's, the
+    override's; `GenerationDefaults.resolve`) in place of its sampling fields:
     the defaults of every field a request leaves unset (vLLM's `default_sampling_params`; a field
     the request sets wins, max_tokens too, as vLLM's `get_max_tokens`). top_k -1 (vLLM's off) is 0,
     as on every door."""
