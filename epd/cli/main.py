@@ -8,7 +8,7 @@ import sys
 
 from epd.cli.flags.gateway import joined_dotted_flags
 from epd.cli.flags.modes import command_parser, command_tokens, ignored_flags_problem
-from epd.cli.parsers.flexible import ConfigFileError, dashed_flags, expanded_config_file
+from epd.cli.parsers.flexible import CommandUsageError, dashed_flags, expanded_config_file
 from epd.cli.parsers.root import build_parser
 from epd.cli.parsers.serve import flags_before_role
 from epd.cli.preload import ensure_preloads, preload_choices
@@ -22,11 +22,9 @@ def parse_command(argv: list[str] | None = None) -> argparse.Namespace:
     # form of a JSON flag as one JSON word
     given = dashed_flags(list(sys.argv[1:] if argv is None else argv))
     try:
-        given = joined_dotted_flags(expanded_config_file(parser, given))
-    except ConfigFileError as exc:
+        given = joined_dotted_flags(parser, expanded_config_file(parser, given))
+    except CommandUsageError as exc:
         exc.command.error(str(exc))  # `epd serve: error: ...`, as the command's other usage errors
-    except ValueError as exc:
-        parser.error(str(exc))
     args = parser.parse_args(given)
     if args.command == "serve" and args.role and (early := flags_before_role(given)):
         parser.error(

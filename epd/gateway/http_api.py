@@ -394,12 +394,12 @@ class HttpApi:
         if isinstance(body, dict) and isinstance(body.get("request_id"), str):
             # Before the body is checked: a 400 for one of its fields names the client's id.
             tracing.adopt_request_id(body["request_id"])
-        chat = parse(
-            body,
-            self.config.http.served_model_name,
-            self.config.sampling,
-            await self.pipeline.request_defaults(self.config.generation),
-        )
+
+        def parsed(defaults: GenerationConfig) -> ChatRequest:
+            return parse(body, self.config.http.served_model_name, self.config.sampling, defaults)
+
+        # A malformed body is refused before any wait for the model's defaults (`check`).
+        chat = parsed(await self.pipeline.request_defaults(self.config.generation, check=parsed))
         chat.generation = self.config.structured_outputs.applied(chat.generation)  # the server's options
         if chat.raw_prompt is None:  # legacy completions are not parted: they go on working
             chat.parser_on = self.config.http.parser_on

@@ -151,10 +151,13 @@ class Pipeline:
         info = self.model_info()
         return None if info is None else info.max_logprobs
 
-    async def request_defaults(self, configured: GenerationDefaults) -> GenerationConfig:
+    async def request_defaults(
+        self, configured: GenerationDefaults, check: Callable[[GenerationConfig], object] | None = None
+    ) -> GenerationConfig:
         """The options a request leaves unset take (every door's), by --generation-config
-        `configured` and what prefill takes (`epd.gateway.request_defaults`)."""
-        return await self._defaults.resolve(configured, self.model_info(), self.prefill)
+        `configured` and what prefill takes (`epd.gateway.request_defaults`); `check`, the door's
+        parse of its request, refuses a malformed one before any wait for prefill's model info."""
+        return await self._defaults.resolve(configured, self.model_info(), self.prefill, check)
 
     def _check_room_for_a_prompt(self, generation: GenerationConfig) -> None:
         """InvalidRequest when the max_tokens a client set fills the whole served context

@@ -6,6 +6,7 @@ defaults once they are known."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 
 from epd.model_runtime.generation_defaults import GenerationDefaults, ModelDefaults, announce
@@ -31,7 +32,11 @@ class RequestDefaults:
         """The model's sampling defaults last logged (`_announce`); None: none logged yet."""
 
     async def resolve(
-        self, configured: GenerationDefaults, info: ModelInfo | None, prefill: PrefillStage
+        self,
+        configured: GenerationDefaults,
+        info: ModelInfo | None,
+        prefill: PrefillStage,
+        check: Callable[[GenerationConfig], object] | None = None,
     ) -> GenerationConfig:
         """The options a request leaves unset take: the server's, with the sampling ones
         `configured` gives (--generation-config; auto: the model's, from prefill's model info
@@ -41,9 +46,14 @@ class RequestDefaults:
         Under auto a request that comes before `prefill` has said waits for it (up to
         `MODEL_INFO_WAIT_S`; the gateway reads it every 0.25 s until a replica answers), then asks
         once itself: prefill's error (a refusal, UNAVAILABLE) is the request's, and never is it
-        answered with defaults other than the model's."""
+        answered with defaults other than the model's. `check` (a door's parse of its request)
+        runs first under the server's own defaults when it is to wait: a malformed request is
+        refused at once (400 / INVALID_ARGUMENT), as once the info is known, not after the wait
+        with prefill's error."""
         if configured.from_model:
             if info is None:
+                if check is not None:
+                    check(_fitted(configured.resolve(None), None))
                 wait = getattr(prefill, "wait_model_info", None)  # a test's stand-in may have none
                 info = await wait(MODEL_INFO_WAIT_S) if callable(wait) else None
             if info is None:
@@ -53,11 +63,7 @@ class RequestDefaults:
                     "gateway with --generation-config vllm or DIR)"
                 )
             self._announce(info.generation_defaults, configured)
-        defaults = configured.resolve(None if info is None else info.generation_defaults)
-        limit = MAX_NEW_TOKENS if info is None else min(info.max_new_tokens, max(1, info.max_model_len - 1))
-        if defaults.max_new_tokens <= limit:
-            return defaults
-        return replace(defaults, max_new_tokens=limit)
+        return _fitted(configured.resolve(None if info is None else info.generation_defaults), info)
 
     def _announce(self, model: ModelDefaults | None, configured: GenerationDefaults) -> None:
         """vLLM's warning naming the model's defaults taken, once they are first known (and again
@@ -72,3 +78,12 @@ class RequestDefaults:
                 "use: see its log); the server's own are taken"
             )
         announce(configured.resolve(model), configured.source)
+
+
+def _fitted(defaults: GenerationConfig, info: ModelInfo | None) -> GenerationConfig:
+    """`defaults` with max_tokens no more than prefill's limit (`info`; None: the stages' default),
+    nor than `max_model_len` leaves after a one-token prompt."""
+    limit = MAX_NEW_TOKENS if info is None else min(info.max_new_tokens, max(1, info.max_model_len - 1))
+    if defaults.max_new_tokens <= limit:
+        return defaults
+    return replace(defaults, max_new_tokens=limit)

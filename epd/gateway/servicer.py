@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 from epd.gateway.admission import Admission, Overloaded, Ticket, peer_host
 from epd.gateway.ask_types import AskRequest, AskSummary, PromptLogprobs
@@ -16,6 +17,7 @@ from epd.gateway.config import GatewayConfig
 from epd.gateway.metrics import GatewayMetrics
 from epd.gateway.pipeline import Pipeline
 from epd.gateway.shutdown import Call, CallsInFlight
+from epd.model_runtime.sampling import GenerationConfig
 from epd.stages.contracts import StageEvent, TokenStep, check_cache_salt
 from epd.stages.deadline import set_client_deadline
 from epd.stages.errors import DeadlineExceeded, InvalidRequest
@@ -143,6 +145,38 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     raise  # its client went away
                 raise self.in_flight.shutdown_error(0, current_request_id()) from None
 
+    def _ask_request(self, header, data: bytes, context, defaults: GenerationConfig) -> AskRequest:
+        """The pipeline's request for an Ask whose header and media are `header` and `data`, under
+        the request `defaults`; InvalidRequest for a malformed one."""
+        raw_prompt = raw_prompt_of(header)
+        request = AskRequest(
+            messages=[]
+            if raw_prompt is not None
+            else messages_of(header, media_sent=bool(data or header.media_sha256)),
+            raw_prompt=raw_prompt,
+            template=convert.template_from_proto(header.template),
+            media=media_input(header, data),
+            sampling=convert.sampling_from_proto(header.sampling, self.config.sampling, from_client=True),
+            generation=self.config.structured_outputs.applied(  # the server's options
+                convert.generation_from_proto(header.generation, defaults)
+            ),
+            request_id=tracing.adopt_request_id(header.request_id),
+            pruning=convert.pruning_from_proto(header.pruning),
+            cache_salt=request_cache_salt(
+                bool(self.config.http.api_keys),
+                bearer_token(context.invocation_metadata()),
+                check_cache_salt(header.cache_salt),
+                internal_secrets(self.config.server.security).presented,
+            ),
+        )
+        if request.generation.n != 1:
+            raise InvalidRequest(
+                f"generation.n is {request.generation.n}, but Ask streams one answer: ask the HTTP API "
+                "(/v1/chat/completions, /v1/completions) for n choices, or send n requests (each with "
+                "its own seed); leave n unset or 1"
+            )
+        return request
+
     async def _ask(self, request_iterator, context, call: Call):
         started = time.perf_counter()
         # The stage calls made for it last no longer than its client waits (epd.stages.deadline).
@@ -157,34 +191,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             upload_ms = (time.perf_counter() - started) * 1e3
             uploaded = StageEvent(Stage.UPLOAD, "finished", upload_ms, {"num_bytes": str(len(data))})
             yield gateway_pb2.AskResponse(event=convert.event_to_proto(uploaded, upload_ms))
-            raw_prompt = raw_prompt_of(header)
-            defaults = await self.pipeline.request_defaults(self.config.generation)
-            request = AskRequest(
-                messages=[]
-                if raw_prompt is not None
-                else messages_of(header, media_sent=bool(data or header.media_sha256)),
-                raw_prompt=raw_prompt,
-                template=convert.template_from_proto(header.template),
-                media=media_input(header, data),
-                sampling=convert.sampling_from_proto(header.sampling, self.config.sampling, from_client=True),
-                generation=self.config.structured_outputs.applied(  # the server's options
-                    convert.generation_from_proto(header.generation, defaults)
-                ),
-                request_id=tracing.adopt_request_id(header.request_id),
-                pruning=convert.pruning_from_proto(header.pruning),
-                cache_salt=request_cache_salt(
-                    bool(self.config.http.api_keys),
-                    bearer_token(context.invocation_metadata()),
-                    check_cache_salt(header.cache_salt),
-                    internal_secrets(self.config.server.security).presented,
-                ),
-            )
-            if request.generation.n != 1:
-                raise InvalidRequest(
-                    f"generation.n is {request.generation.n}, but Ask streams one answer: ask the HTTP API "
-                    "(/v1/chat/completions, /v1/completions) for n choices, or send n requests (each with "
-                    "its own seed); leave n unset or 1"
-                )
+            # A malformed header is refused before any wait for the model's defaults (`check`).
+            ask = partial(self._ask_request, header, data, context)
+            request = ask(await self.pipeline.request_defaults(self.config.generation, check=ask))
             call.request_id = request.request_id
             # aclosing: when the client goes away, the pipeline's cleanup (cancel the stage call
             # in flight, release a KV cache not yet pulled) runs now, not when the GC finds it.

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from epd.cli.flags.arg_types import addresses, env, http_port, positive_seconds, seconds
 from epd.cli.flags.modes import STACK, serves_only
+from epd.cli.parsers.flexible import CommandUsageError, command_at
 from epd.gateway.reasoning import REASONING_PARSERS
 from epd.gateway.tool_parsers.stream import TOOL_CALL_PARSERS
 
@@ -210,12 +211,13 @@ def add_structured_outputs_flags(p: argparse.ArgumentParser) -> argparse.Action:
     )
 
 
-def joined_dotted_flags(words: list[str]) -> list[str]:
+def joined_dotted_flags(root: argparse.ArgumentParser, words: list[str]) -> list[str]:
     """`words` with vLLM's dotted form of a JSON flag (`--structured-outputs-config.KEY VALUE` or
     `--structured-outputs-config.KEY=VALUE`, the value JSON or else text, as vLLM's
     `FlexibleArgumentParser` reads it) joined into one `--structured-outputs-config JSON`, at
     the place of the flag's first word, over a JSON object given whole (one that is not JSON is left
-    to the flag's check to refuse). ValueError: a dotted key with no value."""
+    to the flag's check to refuse). CommandUsageError naming the command of `root` (`epd`'s parser)
+    the flag belongs to: a dotted key with no value."""
     prefix = STRUCTURED_OUTPUTS_CONFIG + "."
     if not any(word.startswith(prefix) for word in words):
         return words
@@ -232,8 +234,11 @@ def joined_dotted_flags(words: list[str]) -> list[str]:
         if name.startswith(prefix) or name == STRUCTURED_OUTPUTS_CONFIG:
             if not eq:
                 following = next(rest, None)
-                if following is None:
-                    raise ValueError(f"{name} needs a value (e.g. {prefix}disable_any_whitespace true)")
+                if following is None:  # the flag is the last word
+                    raise CommandUsageError(
+                        command_at(root, words, len(words) - 1)[0],
+                        f"{name} needs a value (e.g. {prefix}disable_any_whitespace true)",
+                    )
                 value = following
             if name == STRUCTURED_OUTPUTS_CONFIG:
                 try:

@@ -51,9 +51,11 @@ def add_config_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-class ConfigFileError(ValueError):
-    """A --config its command cannot take. `command`: that command's parser, whose `error` names
-    it as every other usage error of the command does (`epd serve: error: --config FILE: ...`)."""
+class CommandUsageError(ValueError):
+    """A usage error in the words read before argparse reads them (a --config its command cannot
+    take, vLLM's dotted form of a JSON flag with no value). `command`: the parser of the command
+    the word belongs to (`command_at`), whose `error` names it as every other usage error of the
+    command does (`epd serve: error: --config FILE: ...`)."""
 
     def __init__(self, command: argparse.ArgumentParser, message: str) -> None:
         super().__init__(message)
@@ -64,18 +66,18 @@ def expanded_config_file(root: argparse.ArgumentParser, words: list[str]) -> lis
     """`words` (dashed, `dashed_flags`) with `--config FILE` (or `--config=FILE`) replaced by the
     file's flags (`config_file_words`), read for the command it follows (`epd serve`'s, `epd serve
     gateway`'s); a command with no --config of its own (`epd bench`'s suites) is left its words.
-    ConfigFileError, naming the file: more than one --config, no file, a file epd cannot take."""
+    CommandUsageError, naming the file: more than one --config, no file, a file epd cannot take."""
     end = words.index("--") if "--" in words else len(words)
     at = [i for i, word in enumerate(words[:end]) if word.partition("=")[0] == CONFIG_FLAG]
     if not at:
         return words
-    parser, start = _command_at(root, words, at[0])
+    parser, start = command_at(root, words, at[0])
     if CONFIG_FLAG not in parser._option_string_actions:
         return words
     try:
         return _expanded(parser, words, start, at)
     except ValueError as exc:
-        raise ConfigFileError(parser, str(exc)) from None
+        raise CommandUsageError(parser, str(exc)) from None
 
 
 def _expanded(parser: argparse.ArgumentParser, words: list[str], start: int, at: list[int]) -> list[str]:
@@ -169,7 +171,7 @@ def _text(value: object) -> str:
     return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
 
 
-def _command_at(
+def command_at(
     root: argparse.ArgumentParser, words: list[str], stop: int
 ) -> tuple[argparse.ArgumentParser, int]:
     """The (sub)command `words[stop]` belongs to (`epd serve gateway ...`: the gateway role's

@@ -73,7 +73,8 @@ def test_what_it_does_not_take_is_exit_2_naming_it(capsys, form, flags, expected
     assert info.value.code == 2
     err = capsys.readouterr().err
     last = err.strip().splitlines()[-1]  # argparse's usage, then one line saying what to change
-    assert last.startswith("epd") and "error: " in last and expected in last, err
+    command = " ".join(word for word in ["epd", *form] if not word.startswith("-"))
+    assert last.startswith(f"{command}: error: ") and expected in last, err  # as its other usage errors
 
 
 def test_the_front_door_holds_every_spec_to_it_a_requests_own_false_too():

@@ -8,12 +8,18 @@ import asyncio
 import logging
 from dataclasses import replace
 
+import aiohttp
 import grpc
 import pytest
+from aiohttp import web
 
 from epd.gateway import request_defaults
+from epd.gateway.config import GatewayConfig, HttpApiConfig
+from epd.gateway.http_api import HttpApi
+from epd.gateway.metrics import GatewayMetrics
 from epd.gateway.model_info import ReplicaModelInfo, refresh_model_info, watch_model_info
 from epd.gateway.pipeline import Pipeline
+from epd.gateway.servicer import GatewayServicer
 from epd.model_runtime.generation_defaults import GenerationDefaults, generation_defaults
 from epd.model_runtime.sampling import GenerationConfig
 from epd.prefill_svc.config import PrefillConfig
@@ -24,7 +30,7 @@ from epd.transport.errors import UpstreamError
 from epd.transport.model_info import model_info_from_proto, model_info_to_proto
 from epd.transport.remote_prefill import RemotePrefillStage
 from epd.transport.replica_pool import ReplicaPool
-from epd.v1 import prefill_pb2_grpc
+from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, messages_pb2, prefill_pb2_grpc
 from tests.stack import free_port
 
 QWEN = ModelInfo(
@@ -325,3 +331,56 @@ def test_a_request_template_is_refused_before_the_encode_unless_every_prefill_tr
 
     with pytest.raises(InvalidRequest, match="not started with --trust-request-chat-template"):
         asyncio.run(ask(QWEN))
+
+
+def test_a_malformed_request_that_comes_before_the_model_info_is_refused_without_the_wait(monkeypatch):
+    """Under auto a request that comes before prefill's model info is read under the server's own
+    defaults first: a malformed one gets its 400 (HTTP) or INVALID_ARGUMENT (gRPC Ask) at once, as
+    once the info is known, not prefill's error after the wait (here: no replica ever answers)."""
+    monkeypatch.setattr(request_defaults, "MODEL_INFO_WAIT_S", 0.5)  # beyond it: prefill's UNAVAILABLE
+    config = GatewayConfig(http=HttpApiConfig(port=0), generation=GenerationDefaults("auto"))
+
+    async def scenario() -> tuple[int, str, grpc.StatusCode, str, int]:
+        pool = ReplicaPool([f"127.0.0.1:{free_port()}"])  # nothing listens there
+        stage = RemotePrefillStage(pool, 5.0)
+        waits = []
+        wait_model_info = stage.wait_model_info
+
+        async def noted_wait(timeout_s: float):
+            waits.append(timeout_s)
+            return await wait_model_info(timeout_s)
+
+        monkeypatch.setattr(stage, "wait_model_info", noted_wait)
+        pipeline = Pipeline(None, stage, None)  # type: ignore[arg-type]
+        runner = web.AppRunner(HttpApi(config, pipeline, GatewayMetrics()).app())
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        server = grpc.aio.server()
+        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(config, pipeline), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            body = {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}") as session:
+                async with session.post("/v1/chat/completions", json=body) as resp:
+                    http_status, http_error = resp.status, (await resp.json())["error"]["message"]
+            header = gateway_pb2.AskHeader(
+                prompt=messages_pb2.RawPrompt(text="hi"), generation=common_pb2.GenerationParams(n=2)
+            )
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = gateway_pb2_grpc.GatewayServiceStub(channel).Ask(
+                    iter([gateway_pb2.AskRequest(header=header)])
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    async for _ in call:
+                        pass
+            return http_status, http_error, refused.value.code(), refused.value.details() or "", len(waits)
+        finally:
+            await server.stop(None)
+            await runner.cleanup()
+            await pool.close()
+
+    http_status, http_error, code, details, num_waits = asyncio.run(scenario())
+    assert http_status == 400 and "temperature" in http_error, http_error
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "generation.n is 2" in details, details
+    assert num_waits == 0  # refused before any wait for prefill's model info
