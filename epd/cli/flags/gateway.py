@@ -217,7 +217,7 @@ def joined_dotted_flags(root: argparse.ArgumentParser, words: list[str]) -> list
     `FlexibleArgumentParser` reads it) joined into one `--structured-outputs-config JSON`, at
     the place of the flag's first word, over a JSON object given whole (one that is not JSON is left
     to the flag's check to refuse). CommandUsageError naming the command of `root` (`epd`'s parser)
-    the flag belongs to: a dotted key with no value."""
+    the flag belongs to: a dotted key with no value (the last word, or a flag after it)."""
     prefix = STRUCTURED_OUTPUTS_CONFIG + "."
     if not any(word.startswith(prefix) for word in words):
         return words
@@ -234,9 +234,10 @@ def joined_dotted_flags(root: argparse.ArgumentParser, words: list[str]) -> list
         if name.startswith(prefix) or name == STRUCTURED_OUTPUTS_CONFIG:
             if not eq:
                 following = next(rest, None)
-                if following is None:  # the flag is the last word
+                # the flag is the last word, or the next is a flag (its value would be taken for one)
+                if following is None or following.startswith("--"):
                     raise CommandUsageError(
-                        command_at(root, words, len(words) - 1)[0],
+                        command_at(root, words, words.index(word))[0],
                         f"{name} needs a value (e.g. {prefix}disable_any_whitespace true)",
                     )
                 value = following

@@ -65,6 +65,9 @@ def test_keys_that_ask_for_nothing_here_are_taken(value):
     (["--structured-outputs-config.disable_additional_properties", "true"], "disable_additional_properties (the guidance"),
     (["--structured-outputs-config.disable_any_whitespace", "maybe"], 'disable_any_whitespace must be true or false, got "maybe"'),
     (["--structured-outputs-config.disable_any_whitespace"], "--structured-outputs-config.disable_any_whitespace needs a value"),
+    # a flag after it is not its value (it took `--max-model-len` and left `64` a stray word)
+    (["--structured-outputs-config.disable_any_whitespace", "--max-model-len", "64"],
+     "--structured-outputs-config.disable_any_whitespace needs a value"),
 ])  # fmt: skip
 @pytest.mark.parametrize("form", [["serve", "gateway"], ["serve"], ["serve", "--colocate"]])
 def test_what_it_does_not_take_is_exit_2_naming_it(capsys, form, flags, expected):
