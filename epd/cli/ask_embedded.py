@@ -73,7 +73,7 @@ async def ask_embedded(
         opened.append(pipeline)
     # vLLM's `LLM.generate` too: the model's sampling defaults (`get_default_sampling_params`),
     # resolved as the server's front door resolves them (auto: its prefill's model info).
-    generation = configs.request_defaults(args)
+    generation = configs.generation_defaults_flags(args)
     announce_at_start(generation)
     defaults = await pipeline.request_defaults(generation)
 
@@ -114,7 +114,7 @@ async def _embedded_stream(
 ) -> AsyncGenerator[StreamEvent, None]:
     """The embedded pipeline's answer as the SDK's stream events (what a remote turn yields);
     the answer's text is appended to `answer` for the caller's history. `defaults`: what the
-    generation flags left unset take (`configs.request_defaults`). `raw_prompt`: instead
+    generation flags left unset take (`configs.generation_defaults_flags`). `raw_prompt`: instead
     of `messages` (then []). `template`: how the chat template ends `messages` (None: the defaults).
     `tools`: rendered into the prompt, a forced choice's structured output on the answer."""
     from dataclasses import replace

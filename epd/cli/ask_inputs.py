@@ -27,7 +27,7 @@ def check_generation_flags(args: argparse.Namespace, embedded: bool) -> None:
 
     check_generation_options(configs.generation_options(args))
     if embedded:  # --generation-config's folder and the override, before the model loads
-        configs.request_defaults(args)
+        configs.generation_defaults_flags(args)
         bound = (
             "embedded mode's bound, vLLM's default --max-logprobs; for more, ask a server started with "
             "a larger --max-logprobs (--endpoint)"

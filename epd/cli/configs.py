@@ -379,13 +379,13 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
             load_refresh_interval_s=args.load_refresh_interval,
             http=http_api_config(args),
             sampling=sampling_options(args),
-            generation=request_defaults(args),  # auto: the model's, from prefill (ModelInfo)
+            generation=generation_defaults_flags(args),  # auto: the model's, from prefill (ModelInfo)
             structured_outputs=structured_outputs_config(args),
         )
     )
 
 
-def request_defaults(args: argparse.Namespace) -> GenerationDefaults:
+def generation_defaults_flags(args: argparse.Namespace) -> GenerationDefaults:
     """Where a request's unset sampling fields take their defaults: --generation-config and
     --override-generation-config (vLLM's; auto: the model's, as its prefill reports them).
     ValueError naming the flag: a file or value that cannot be used."""
@@ -416,7 +416,7 @@ def colocated_gateway_config(args: argparse.Namespace) -> GatewayConfig:
             body_timeout_s=args.body_timeout,
             max_upload_bytes=args.max_upload_bytes,
             sampling=sampling_options(args),
-            generation=request_defaults(args),
+            generation=generation_defaults_flags(args),
             structured_outputs=structured_outputs_config(args),
         )
     )  # the defaults of requests, as the encoder's own (`--fps`, ...)

@@ -6,9 +6,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from epd.cli.flags.gateway import joined_dotted_flags
 from epd.cli.flags.modes import command_parser, command_tokens, ignored_flags_problem
-from epd.cli.parsers.flexible import CommandUsageError, dashed_flags, expanded_config_file
+from epd.cli.parsers.flexible import (
+    CommandUsageError,
+    dashed_flags,
+    expanded_config_file,
+    joined_dotted_flags,
+)
 from epd.cli.parsers.root import build_parser
 from epd.cli.parsers.serve import flags_before_role
 from epd.cli.preload import ensure_preloads, preload_choices

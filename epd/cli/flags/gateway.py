@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 from collections.abc import Callable
 
 from epd.cli.flags.arg_types import addresses, env, http_port, positive_seconds, seconds
 from epd.cli.flags.modes import STACK, serves_only
-from epd.cli.parsers.flexible import CommandUsageError, command_at
 from epd.gateway.reasoning import REASONING_PARSERS
 from epd.gateway.tool_parsers.stream import TOOL_CALL_PARSERS
 
@@ -209,59 +207,6 @@ def add_structured_outputs_flags(p: argparse.ArgumentParser) -> argparse.Action:
         "until max_tokens); vLLM's backend (xgrammar or auto) and disable_fallback are taken and change "
         "nothing, its other keys are refused unless they ask for nothing",
     )
-
-
-def joined_dotted_flags(root: argparse.ArgumentParser, words: list[str]) -> list[str]:
-    """`words` with vLLM's dotted form of a JSON flag (`--structured-outputs-config.KEY VALUE` or
-    `--structured-outputs-config.KEY=VALUE`, the value JSON or else text, as vLLM's
-    `FlexibleArgumentParser` reads it) joined into one `--structured-outputs-config JSON`, at
-    the place of the flag's first word, over a JSON object given whole (one that is not JSON is left
-    to the flag's check to refuse). CommandUsageError naming the command of `root` (`epd`'s parser)
-    the flag belongs to: a dotted key with no value (the last word, or a flag after it)."""
-    prefix = STRUCTURED_OUTPUTS_CONFIG + "."
-    if not any(word.startswith(prefix) for word in words):
-        return words
-    whole_keys: dict[str, object] = {}
-    dotted: dict[str, object] = {}
-    out: list[str] = []
-    at = None
-    rest = iter(words)
-    for word in rest:
-        if word == "--":
-            out += [word, *rest]
-            break
-        name, eq, value = word.partition("=")
-        if name.startswith(prefix) or name == STRUCTURED_OUTPUTS_CONFIG:
-            if not eq:
-                following = next(rest, None)
-                # the flag is the last word, or the next is a flag (its value would be taken for one)
-                if following is None or following.startswith("--"):
-                    raise CommandUsageError(
-                        command_at(root, words, words.index(word))[0],
-                        f"{name} needs a value (e.g. {prefix}disable_any_whitespace true)",
-                    )
-                value = following
-            if name == STRUCTURED_OUTPUTS_CONFIG:
-                try:
-                    whole = json.loads(value)
-                except json.JSONDecodeError:
-                    whole = None
-                if not isinstance(whole, dict):
-                    out += [name, value]  # refused by the flag's own check, with its message
-                    continue
-                whole_keys.update(whole)
-            else:
-                try:
-                    dotted[name.removeprefix(prefix)] = json.loads(value)
-                except json.JSONDecodeError:
-                    dotted[name.removeprefix(prefix)] = value
-            if at is None:
-                at = len(out)
-            continue
-        out.append(word)
-    assert at is not None
-    out[at:at] = [STRUCTURED_OUTPUTS_CONFIG, json.dumps({**whole_keys, **dotted})]
-    return out
 
 
 GATEWAY_FLAGS: tuple[Callable[..., object], ...] = (

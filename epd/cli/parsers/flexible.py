@@ -5,7 +5,9 @@ applied to `epd`'s words before argparse reads them, so a vLLM command line carr
   `--max_model_len=8192`): `dashed_flags`, the one place names are normalised;
 - `--config FILE.yaml`: a YAML mapping of flag names to values, expanded into the command's
   flags where it stands, a flag the command line writes itself winning over the file's:
-  `expanded_config_file`."""
+  `expanded_config_file`;
+- a JSON flag's dotted keys (`--structured-outputs-config.disable_any_whitespace true`) joined into
+  the flag's one JSON word: `joined_dotted_flags`."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import argparse
 import json
 from collections.abc import Collection
 
+from epd.cli.flags.gateway import STRUCTURED_OUTPUTS_CONFIG
 from epd.cli.flags.modes import written_flags
 
 CONFIG_FLAG = "--config"
@@ -188,3 +191,56 @@ def command_at(
             if sub is not None and word in sub.choices:
                 parser, start = sub.choices[word], i + 1
     return parser, start
+
+
+def joined_dotted_flags(root: argparse.ArgumentParser, words: list[str]) -> list[str]:
+    """`words` with vLLM's dotted form of a JSON flag (`--structured-outputs-config.KEY VALUE` or
+    `--structured-outputs-config.KEY=VALUE`, the value JSON or else text, as vLLM's
+    `FlexibleArgumentParser` reads it) joined into one `--structured-outputs-config JSON`, at
+    the place of the flag's first word, over a JSON object given whole (one that is not JSON is left
+    to the flag's check to refuse). CommandUsageError naming the command of `root` (`epd`'s parser)
+    the flag belongs to: a dotted key with no value (the last word, or a flag after it)."""
+    prefix = STRUCTURED_OUTPUTS_CONFIG + "."
+    if not any(word.startswith(prefix) for word in words):
+        return words
+    whole_keys: dict[str, object] = {}
+    dotted: dict[str, object] = {}
+    out: list[str] = []
+    at = None
+    rest = iter(words)
+    for word in rest:
+        if word == "--":
+            out += [word, *rest]
+            break
+        name, eq, value = word.partition("=")
+        if name.startswith(prefix) or name == STRUCTURED_OUTPUTS_CONFIG:
+            if not eq:
+                following = next(rest, None)
+                # the flag is the last word, or the next is a flag (its value would be taken for one)
+                if following is None or following.startswith("--"):
+                    raise CommandUsageError(
+                        command_at(root, words, words.index(word))[0],
+                        f"{name} needs a value (e.g. {prefix}disable_any_whitespace true)",
+                    )
+                value = following
+            if name == STRUCTURED_OUTPUTS_CONFIG:
+                try:
+                    whole = json.loads(value)
+                except json.JSONDecodeError:
+                    whole = None
+                if not isinstance(whole, dict):
+                    out += [name, value]  # refused by the flag's own check, with its message
+                    continue
+                whole_keys.update(whole)
+            else:
+                try:
+                    dotted[name.removeprefix(prefix)] = json.loads(value)
+                except json.JSONDecodeError:
+                    dotted[name.removeprefix(prefix)] = value
+            if at is None:
+                at = len(out)
+            continue
+        out.append(word)
+    assert at is not None
+    out[at:at] = [STRUCTURED_OUTPUTS_CONFIG, json.dumps({**whole_keys, **dotted})]
+    return out
