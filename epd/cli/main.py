@@ -23,11 +23,11 @@ from epd.cli.secret_flags import hide_secrets_from_ps
 def parse_command(argv: list[str] | None = None) -> argparse.Namespace:
     """`epd`'s command line (`argv`, or the process's own) parsed, or exit 2 saying what to change."""
     parser = build_parser()
-    given = vllm_spellings_read(parser, dashed_flags(list(sys.argv[1:] if argv is None else argv)))
+    given = _vllm_spellings_read(parser, dashed_flags(list(sys.argv[1:] if argv is None else argv)))
     args = parser.parse_args(given)
     if args.command == "bench":  # the suite's words, read with its parser: its errors and --help
         suite = bench_suite_parser(args.suite)
-        args.bench_args = vllm_spellings_read(suite, args.bench_args)
+        args.bench_args = _vllm_spellings_read(suite, args.bench_args)
         suite.parse_args(args.bench_args)
     if args.command == "serve" and args.role and (early := flags_before_role(given)):
         parser.error(
@@ -40,7 +40,7 @@ def parse_command(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def vllm_spellings_read(parser: argparse.ArgumentParser, words: list[str]) -> list[str]:
+def _vllm_spellings_read(parser: argparse.ArgumentParser, words: list[str]) -> list[str]:
     """`words` (dashed: `dashed_flags`) with vLLM's spellings (`epd.cli.parsers.flexible`) read for
     `parser`'s commands: --config FILE.yaml expanded, the dotted form of a JSON flag joined into one
     JSON word; --help=KEYWORD printed (exit 0), a usage error exit 2 naming its command."""
