@@ -97,3 +97,16 @@ def test_a_bench_suites_help_shows_its_config_and_keyword_help(capsys):
     out = _help(capsys, ["bench", "quality", "--help"])
     assert {"--config", "--help", "--presets"} <= _flags(out) and "--help=KEYWORD" in out
     assert "--config" in _flags(bench_suite_parser("serve").format_help())
+
+
+@pytest.mark.parametrize(
+    ("words", "group", "flags"),
+    [
+        (["bench", "serve"], "Server", {"--endpoint", "--openai", "--openai-dialect", "--media-as"}),
+        (["bench", "serve"], "load", {"--concurrency", "--request-rate", "--num-requests", "--videos"}),
+        (["bench", "quality"], "data", {"--num-test", "--data", "--max-questions"}),
+    ],
+)
+def test_a_bench_suites_flags_are_in_groups(capsys, words, group, flags):
+    out = _help(capsys, [*words, f"--help={group}"])
+    assert out.startswith(f"{group.lower()} (") and flags <= _flags(out)
