@@ -404,32 +404,35 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = QualityConfig()
     p = argparse.ArgumentParser(prog="epd bench quality", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=d.model, help="checkpoint directory or 'default'")
-    p.add_argument(
+    measured = p.add_argument_group("model (what is measured)")
+    measured.add_argument("--model", default=d.model, help="checkpoint directory or 'default'")
+    measured.add_argument(
         "--presets",
         default=",".join(d.presets),
         help=f"comma-separated pruning presets ({', '.join(ALL_PRESETS)})",
     )
-    p.add_argument(
-        "--num-test",
-        type=int,
-        default=d.num_test_clips,
-        help="test clips to generate (with --max-questions N, at most N)",
-    )
-    p.add_argument("--data", default=d.data_dir, help="existing synth dataset with a test split")
-    p.add_argument(
-        "--max-questions", type=int, default=d.max_questions, help="first N questions only (0: all)"
-    )
-    p.add_argument("--out", default=d.out_dir, help="output directory")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    p.add_argument("--threads", type=int, default=d.num_threads, help="torch threads")
-    p.add_argument(
+    measured.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    measured.add_argument("--threads", type=int, default=d.num_threads, help="torch threads")
+    measured.add_argument(
         "--linear-kernel",
         default=d.linear_kernel,
         choices=LINEAR_KERNELS,
         help="the model's linear layers (epd serve's --linear-kernel)",
     )
-    p.add_argument("--no-progress", action="store_true")
+    data = p.add_argument_group("data (the test split's questions)")
+    data.add_argument(
+        "--num-test",
+        type=int,
+        default=d.num_test_clips,
+        help="test clips to generate (with --max-questions N, at most N)",
+    )
+    data.add_argument("--data", default=d.data_dir, help="existing synth dataset with a test split")
+    data.add_argument(
+        "--max-questions", type=int, default=d.max_questions, help="first N questions only (0: all)"
+    )
+    output = p.add_argument_group("output")
+    output.add_argument("--out", default=d.out_dir, help="output directory")
+    output.add_argument("--no-progress", action="store_true")
     return p
 
 

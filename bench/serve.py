@@ -146,7 +146,8 @@ async def run_stack(
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or argparse.ArgumentParser(prog="epd bench serve", description=__doc__.split("\n")[0])
-    door = p.add_mutually_exclusive_group(required=True)
+    server = p.add_argument_group("server (the front door measured)")
+    door = server.add_mutually_exclusive_group(required=True)
     door.add_argument("--endpoint", default="", help="HOST:PORT of the stack's gateway (gRPC)")
     door.add_argument(
         "--openai",
@@ -155,53 +156,59 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="an OpenAI-compatible server instead, e.g. http://127.0.0.1:8000 (streaming "
         "/v1/chat/completions)",
     )
-    p.add_argument(
+    server.add_argument(
         "--openai-dialect",
         choices=["epd", "transformers"],
         default="epd",
         help="with --openai: how frames and ignore_eos are sent (transformers = `transformers serve`)",
     )
-    p.add_argument(
+    server.add_argument(
         "--media-as",
         choices=["data", "path", "file-url"],
         default="data",
         help="with --openai: media as data: URLs, local paths or file:// URLs",
     )
-    p.add_argument("--openai-model", default="", help="with --openai: the body's `model` (default: left out)")
-    p.add_argument("--api-key", default="", help="with --openai: sent as 'Authorization: Bearer KEY'")
-    p.add_argument("--model", default="default", help="the model the stack serves (for the baselines)")
-    p.add_argument("--videos", nargs="+", default=[str(sample_video())])
-    p.add_argument("--questions", nargs="*", default=[])
-    p.add_argument("--num-requests", type=int, default=16, help="requests at each concurrency level")
-    p.add_argument("--request-rate", type=float, default=0.0, help="requests/s (Poisson); 0 = all at once")
-    p.add_argument(
+    server.add_argument(
+        "--openai-model", default="", help="with --openai: the body's `model` (default: left out)"
+    )
+    server.add_argument("--api-key", default="", help="with --openai: sent as 'Authorization: Bearer KEY'")
+    server.add_argument("--timeout-s", type=float, default=600.0)
+    load = p.add_argument_group("load (the requests and how they are sent)")
+    load.add_argument("--videos", nargs="+", default=[str(sample_video())])
+    load.add_argument("--questions", nargs="*", default=[])
+    load.add_argument("--num-requests", type=int, default=16, help="requests at each concurrency level")
+    load.add_argument("--request-rate", type=float, default=0.0, help="requests/s (Poisson); 0 = all at once")
+    load.add_argument(
         "--concurrency",
         type=parse_levels,
         default=[1],
         help="max requests in flight (0 = unlimited); a comma list (1,4,16,32) runs a sweep",
     )
-    p.add_argument("--num-frames", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
-    p.add_argument("--ttft-slo-ms", type=float, default=2000.0)
-    p.add_argument("--tpot-slo-ms", type=float, default=200.0)
-    p.add_argument("--no-baselines", action="store_true")
-    p.add_argument(
+    load.add_argument("--num-frames", type=int, default=8)
+    load.add_argument("--max-new-tokens", type=int, default=16)
+    load.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
+    load.add_argument("--seed", type=int, default=0)
+    goodput = p.add_argument_group("goodput (requests/s that met both objectives)")
+    goodput.add_argument("--ttft-slo-ms", type=float, default=2000.0)
+    goodput.add_argument("--tpot-slo-ms", type=float, default=200.0)
+    compared = p.add_argument_group("comparisons (baselines and other series in the same run)")
+    compared.add_argument("--model", default="default", help="the model the stack serves (for the baselines)")
+    compared.add_argument("--no-baselines", action="store_true")
+    compared.add_argument("--threads", type=int, default=1, help="torch threads of the baselines")
+    compared.add_argument(
         "--with-text-only",
         action="store_true",
         help="also run each level's requests without their media (the questions alone) and print the ratios",
     )
-    p.add_argument(
+    compared.add_argument(
         "--with-completions",
         action="store_true",
         help="with --openai: also run each level's questions as text-only chat requests and as POST "
         "/v1/completions of the same rendered prompt, and print the ratios completions / chat",
     )
-    p.add_argument("--threads", type=int, default=1, help="torch threads of the baselines")
-    p.add_argument("--timeout-s", type=float, default=600.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-json", default="", help="write all results here")
-    p.add_argument(
+    output = p.add_argument_group("output")
+    output.add_argument("--output-json", default="", help="write all results here")
+    output.add_argument(
         "--plot",
         default="",
         metavar="FILE.png",

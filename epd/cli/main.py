@@ -9,11 +9,12 @@ import sys
 from epd.cli.flags.modes import command_parser, command_tokens, ignored_flags_problem
 from epd.cli.parsers.flexible import (
     CommandUsageError,
+    asked_help,
     dashed_flags,
     expanded_config_file,
     joined_dotted_flags,
 )
-from epd.cli.parsers.root import build_parser
+from epd.cli.parsers.root import bench_suite_parser, build_parser
 from epd.cli.parsers.serve import flags_before_role
 from epd.cli.preload import ensure_preloads, preload_choices
 from epd.cli.secret_flags import hide_secrets_from_ps
@@ -22,14 +23,12 @@ from epd.cli.secret_flags import hide_secrets_from_ps
 def parse_command(argv: list[str] | None = None) -> argparse.Namespace:
     """`epd`'s command line (`argv`, or the process's own) parsed, or exit 2 saying what to change."""
     parser = build_parser()
-    # vLLM's spellings (`epd.cli.parsers.flexible`): --flag_name, --config FILE.yaml, and the dotted
-    # form of a JSON flag as one JSON word
-    given = dashed_flags(list(sys.argv[1:] if argv is None else argv))
-    try:
-        given = joined_dotted_flags(parser, expanded_config_file(parser, given))
-    except CommandUsageError as exc:
-        exc.command.error(str(exc))  # `epd serve: error: ...`, as the command's other usage errors
+    given = _vllm_spellings_read(parser, dashed_flags(list(sys.argv[1:] if argv is None else argv)))
     args = parser.parse_args(given)
+    if args.command == "bench":  # the suite's words, read with its parser: its errors and --help
+        suite = bench_suite_parser(args.suite)
+        args.bench_args = _vllm_spellings_read(suite, args.bench_args)
+        suite.parse_args(args.bench_args)
     if args.command == "serve" and args.role and (early := flags_before_role(given)):
         parser.error(
             f"{' '.join(early)} before the role {args.role!r} would be ignored: a service's flags come "
@@ -39,6 +38,20 @@ def parse_command(argv: list[str] | None = None) -> argparse.Namespace:
     if problem := ignored_flags_problem(command, args, command_tokens(parser, given, args.command)):
         command.error(problem)  # a flag taken and dropped: the user believed it took effect
     return args
+
+
+def _vllm_spellings_read(parser: argparse.ArgumentParser, words: list[str]) -> list[str]:
+    """`words` (dashed: `dashed_flags`) with vLLM's spellings (`epd.cli.parsers.flexible`) read for
+    `parser`'s commands: --config FILE.yaml expanded, the dotted form of a JSON flag joined into one
+    JSON word; --help=KEYWORD printed (exit 0), a usage error exit 2 naming its command."""
+    if (asked := asked_help(parser, words)) is not None:
+        command, text = asked
+        command._print_message(text, sys.stdout)
+        command.exit()
+    try:
+        return joined_dotted_flags(parser, expanded_config_file(parser, words))
+    except CommandUsageError as exc:
+        exc.command.error(str(exc))  # `epd serve: error: ...`, as the command's other usage errors
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,12 @@ applied to `epd`'s words before argparse reads them, so a vLLM command line carr
   flags where it stands, a flag the command line writes itself winning over the file's:
   `expanded_config_file`;
 - a JSON flag's dotted keys (`--structured-outputs-config.disable_any_whitespace true`) joined into
-  the flag's one JSON word: `joined_dotted_flags`."""
+  the flag's one JSON word: `joined_dotted_flags`;
+- `--help=KEYWORD`, a part of the help of the command it follows: `asked_help` (the parts:
+  `epd.cli.parsers.keyword_help`).
+
+A command that passes its words on whole to another parser (`epd bench SUITE ...`, the suite's
+own) is left them: they are read again with that parser, by the same functions."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from collections.abc import Collection
 
 from epd.cli.flags.gateway import STRUCTURED_OUTPUTS_CONFIG
 from epd.cli.flags.modes import written_flags
+from epd.cli.parsers.keyword_help import help_keyword, keyword_help
 
 CONFIG_FLAG = "--config"
 
@@ -65,10 +71,32 @@ class CommandUsageError(ValueError):
         self.command = command
 
 
+def asked_help(root: argparse.ArgumentParser, words: list[str]) -> tuple[argparse.ArgumentParser, str] | None:
+    """The command whose `--help=KEYWORD` `words` (dashed) ask for, under `root`, and the help to
+    print (`keyword_help`); None without one, or when it is one of the words a command passes on
+    (`epd bench serve --help=KEYWORD`: the suite's parser reads it)."""
+    found = help_keyword(words)
+    if found is None:
+        return None
+    i, keyword = found
+    parser, start = command_at(root, words, i)
+    if _passed_on(parser, words[start:i]):
+        return None
+    return parser, keyword_help(parser, keyword)
+
+
+def _passed_on(parser: argparse.ArgumentParser, before: list[str]) -> bool:
+    """Whether the word after `before` (the command's own words) is among those `parser` passes on
+    whole (`argparse.REMAINDER`, after a positional: `epd bench SUITE ...`)."""
+    passes_on = any(a.nargs == argparse.REMAINDER for a in parser._actions)
+    return passes_on and any(not word.startswith("-") for word in before)
+
+
 def expanded_config_file(root: argparse.ArgumentParser, words: list[str]) -> list[str]:
     """`words` (dashed, `dashed_flags`) with `--config FILE` (or `--config=FILE`) replaced by the
     file's flags (`config_file_words`), read for the command it follows (`epd serve`'s, `epd serve
-    gateway`'s); a command with no --config of its own (`epd bench`'s suites) is left its words.
+    gateway`'s); a command with no --config of its own (`epd bench`, which passes its suite's words
+    on) is left its words.
     CommandUsageError, naming the file: more than one --config, no file, a file epd cannot take."""
     end = words.index("--") if "--" in words else len(words)
     at = [i for i, word in enumerate(words[:end]) if word.partition("=")[0] == CONFIG_FLAG]

@@ -27,6 +27,7 @@ from epd.cli.flags.arg_types import positive_seconds
 from epd.cli.flags.server import add_tls_client_flags
 from epd.cli.parsers.ask import add_ask_command
 from epd.cli.parsers.flexible import add_config_flag
+from epd.cli.parsers.keyword_help import add_keyword_help
 from epd.cli.parsers.serve import add_serve_command
 
 
@@ -68,9 +69,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_command(sub)
     _add_bench_command(sub)
     _add_health_command(sub)
+    add_keyword_help(parser)
     for command in _commands(parser):
-        if command.prog != "epd bench":  # its suites read their own flags
+        add_keyword_help(command)
+        if command.prog != "epd bench":  # its suite's parser reads its words (`bench_suite_parser`)
             add_config_flag(command)
+    return parser
+
+
+def bench_suite_parser(suite: str) -> argparse.ArgumentParser:
+    """`epd bench SUITE`'s own parser (the suite's module's), taking vLLM's --config FILE.yaml and
+    --help=KEYWORD as every other command does; `parse_command` reads the suite's words with it."""
+    if suite == "serve":
+        from epd.bench.serve import build_parser as serve_parser
+
+        parser = serve_parser()
+    else:
+        from epd.bench.quality import build_parser as quality_parser
+
+        parser = quality_parser()
+    add_keyword_help(parser)
+    add_config_flag(parser)
     return parser
 
 

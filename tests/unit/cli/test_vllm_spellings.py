@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from epd.bench import quality
+from epd.bench import serve as bench_serve
 from epd.cli import configs
 from epd.cli.main import parse_command
 from epd.cli.parsers.flexible import dashed_flags
@@ -179,6 +181,8 @@ def test_no_file_exits_2(capsys, words, expected):
         (["ask", "v.mp4", "q"], "epd ask"),
         (["serve", "gateway"], "epd serve gateway"),
         (["health", "h:1"], "epd health"),
+        (["bench", "serve", "--openai", "http://h:1"], "epd bench serve"),
+        (["bench", "quality"], "epd bench quality"),
     ],
 )
 def test_a_config_error_names_its_command_as_its_other_usage_errors(capsys, command, prog):
@@ -186,3 +190,62 @@ def test_a_config_error_names_its_command_as_its_other_usage_errors(capsys, comm
         parse_command([*command, "--config", "/no/such.yaml"])
     assert exit_.value.code == 2
     assert f"{prog}: error: --config /no/such.yaml: No such file" in capsys.readouterr().err
+
+
+BENCH_SERVE_DASHED = [
+    "--endpoint=h:1", "--max-new-tokens", "4", "--concurrency=1,4", "--no-baselines", "--videos", "a.mp4", "b.mp4",
+]  # fmt: skip
+BENCH_SERVE_UNDERSCORED = [
+    "--endpoint=h:1", "--max_new_tokens", "4", "--concurrency=1,4", "--no_baselines", "--videos", "a.mp4", "b.mp4",
+]  # fmt: skip
+BENCH_SERVE_CONFIG = (
+    "endpoint: h:1\nmax_new_tokens: 4\nconcurrency: 1,4\nno_baselines: true\nvideos: [a.mp4, b.mp4]\n"
+)
+BENCH_QUALITY_DASHED = [
+    "--max-questions",
+    "3",
+    "--presets=none",
+    "--linear-kernel",
+    "onednn",
+    "--no-progress",
+]
+BENCH_QUALITY_CONFIG = "max_questions: 3\npresets: none\nlinear_kernel: onednn\nno_progress: true\n"
+
+
+@pytest.mark.parametrize("form", ["underscores", "config"])
+def test_a_bench_suite_takes_underscores_and_a_config_file_as_vllm_bench_serve(tmp_path, form):
+    """`vllm bench serve` is a FlexibleArgumentParser too: the suites' words, which `epd bench` passes
+    on, are read with the suite's own parser (`bench_suite_parser`) as every command's are."""
+    (serve_yaml := tmp_path / "serve.yaml").write_text(BENCH_SERVE_CONFIG)
+    (quality_yaml := tmp_path / "quality.yaml").write_text(BENCH_QUALITY_CONFIG)
+    serve_flags = BENCH_SERVE_UNDERSCORED if form == "underscores" else ["--config", str(serve_yaml)]
+    quality_flags = (
+        [w.replace("-", "_").replace("__", "--") for w in BENCH_QUALITY_DASHED]
+        if form == "underscores"
+        else ["--config", str(quality_yaml)]
+    )
+    serve = parse_command(["bench", "serve", *serve_flags]).bench_args
+    assert vars(bench_serve.build_parser().parse_args(serve)) == vars(
+        bench_serve.build_parser().parse_args(BENCH_SERVE_DASHED)
+    )
+    assert quality.parse_args(parse_command(["bench", "quality", *quality_flags]).bench_args) == (
+        quality.parse_args(BENCH_QUALITY_DASHED)
+    )
+
+
+def test_a_bench_suites_command_line_wins_over_its_file(tmp_path):
+    (path := tmp_path / "serve.yaml").write_text(BENCH_SERVE_CONFIG)
+    words = parse_command(["bench", "serve", "--max_new_tokens=8", "--config", str(path), "--seed", "3"])
+    args = bench_serve.build_parser().parse_args(words.bench_args)
+    assert (args.max_new_tokens, args.seed, args.concurrency, args.endpoint) == (8, 3, [1, 4], "h:1")
+
+
+def test_a_bench_suites_unknown_key_is_named(tmp_path, capsys):
+    (path := tmp_path / "quality.yaml").write_text("num_tests: 3\n")
+    with pytest.raises(SystemExit) as exit_:
+        parse_command(["bench", "quality", "--config", str(path)])
+    assert exit_.value.code == 2
+    assert (
+        f"epd bench quality: error: --config {path}: unknown key 'num_tests': epd bench quality has no "
+        "--num-tests" in capsys.readouterr().err
+    )

@@ -15,9 +15,7 @@ from functools import cache
 from pathlib import Path
 from unittest import mock
 
-from epd.bench.quality import build_parser as bench_quality_parser
-from epd.bench.serve import build_parser as bench_serve_parser
-from epd.cli.parsers.root import build_parser
+from epd.cli.parsers.root import bench_suite_parser, build_parser
 from epd.gateway.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -39,7 +37,8 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9](?![\w*-])")
 @cache
 def epd_parsers() -> dict[str, argparse.ArgumentParser]:
     """Every `epd` command's parser by its command line: `epd`, `epd ask`, `epd serve`,
-    `epd serve encoder`, ..., and the bench suites, whose flags `epd bench SUITE` passes on."""
+    `epd serve encoder`, ..., and the bench suites, whose flags `epd bench SUITE` passes on to the
+    suite's parser (`bench_suite_parser`: with --config, as `parse_command` reads them)."""
     found: dict[str, argparse.ArgumentParser] = {}
 
     def walk(parser: argparse.ArgumentParser, name: str) -> None:
@@ -50,8 +49,8 @@ def epd_parsers() -> dict[str, argparse.ArgumentParser]:
                     walk(subparser, f"{name} {sub}")
 
     walk(build_parser(), "epd")
-    found["epd bench serve"] = bench_serve_parser()
-    found["epd bench quality"] = bench_quality_parser()
+    found["epd bench serve"] = bench_suite_parser("serve")
+    found["epd bench quality"] = bench_suite_parser("quality")
     return found
 
 
