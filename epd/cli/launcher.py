@@ -266,12 +266,21 @@ def _supervise(
             for slot in slots:
                 if slot.replica.restart_due(now):
                     _restart(slot, start, now, replicas_file)
-                elif slot.ports_file and slot.replica.running and slot.read_ports_file():
+                elif not (slot.ports_file and slot.replica.running):
+                    continue
+                elif slot.read_ports_file():
                     # A replica moved to a free port has bound it: route to it, tell whoever reads ours.
                     _write_replicas(replicas_file, slots)
                     if ports_file:
                         _write_stack_ports(ports_file, slots)
                     print(f"epd: {slot.name} now listens on {slot.address}", file=sys.stderr, flush=True)
+                elif (waited_s := slot.replica.unresponsive_s(now)) is not None:
+                    # Its health is asked only once it has bound (its old port is another's), so the
+                    # start timeout is enforced here until then: else one hung before binding (stages
+                    # bind before they load) would stay "starting" for ever.
+                    why = f"had not bound a port after {waited_s:.0f} s"
+                    if (stop := _kill(slot, slots, why, now)) is not None:
+                        return stop
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     return EXIT_OK
@@ -371,14 +380,20 @@ def _on_health(slots: list[_Slot], checks: dict[int, Future[bool | None]], now: 
                 print(f"epd: {slot.name} serving again at {slot.address}", file=sys.stderr, flush=True)
         if (silent_s := slot.replica.unresponsive_s(now)) is None:
             continue
-        assert slot.proc is not None
-        pid = slot.proc.pid
-        slot.proc.kill()  # SIGKILL: also ends a stopped (SIGSTOP) or hung process
-        slot.proc.wait()
         why = "did not answer its health check for" if not was_starting else "was not serving after"
-        if (stop := _on_exit(slot, slots, f"{why} {silent_s:.0f} s; killed it", now, pid)) is not None:
+        if (stop := _kill(slot, slots, f"{why} {silent_s:.0f} s", now)) is not None:
             return stop
     return None
+
+
+def _kill(slot: _Slot, slots: list[_Slot], why: str, now: float) -> int | None:
+    """Kill a service past its health or start timeout (`why` says which); it is then restarted
+    like one that exited (`_on_exit`, whose result this is)."""
+    assert slot.proc is not None
+    pid = slot.proc.pid
+    slot.proc.kill()  # SIGKILL: also ends a stopped (SIGSTOP) or hung process
+    slot.proc.wait()
+    return _on_exit(slot, slots, f"{why}; killed it", now, pid)
 
 
 def _on_exit(slot: _Slot, slots: list[_Slot], why: str, now: float, pid: int | None = None) -> int | None:

@@ -7,7 +7,7 @@ A replica's life, as a process manager (systemd, Kubernetes) would run it:
 
     STARTING --SERVING--> SERVING --exits / no health answer for health_timeout_s--> WAITING
        |                                                                              |
-       +--exits / not SERVING within start_timeout_s-------------------------> WAITING
+       +--exits / not SERVING within start_timeout_s (bound or not)----------> WAITING
     WAITING --backoff elapsed--> STARTING (forked again)
     WAITING --crash_loop_exits exits within crash_loop_window_s--> GIVEN_UP (never restarted)
     WAITING --backoff elapsed, its port held by another process--> WAITING (`port_taken`)
@@ -43,7 +43,9 @@ class RestartPolicy:
     health_timeout_s: float = 10.0
     """A replica that served and then gets no answer to its health checks for this long is killed."""
     start_timeout_s: float = 600.0
-    """A restarted replica that is not SERVING within this long (loading its model) is killed."""
+    """A restarted replica that is not SERVING within this long (loading its model) is killed,
+    counted from its start: the time before it binds its port (one moved to a free port, whose
+    health is not asked until then) is part of it."""
 
     def __post_init__(self) -> None:
         if not (0 < self.backoff_initial_s <= self.backoff_max_s):
@@ -107,7 +109,8 @@ class Replica:
 
     def unresponsive_s(self, now: float) -> float | None:
         """Why it should be killed: seconds without a health answer (SERVING) or without being
-        SERVING since its start (STARTING) beyond the policy's limits; None while it is fine."""
+        SERVING since its start (STARTING, whether it has been asked yet or not) beyond the
+        policy's limits; None while it is fine."""
         if self.state is State.SERVING:
             silent_s = now - self._last_answer_at
             return silent_s if silent_s > self.policy.health_timeout_s else None

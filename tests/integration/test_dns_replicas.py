@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from epd.cli.health import health_answer
 from epd.client import EpdClient
 from epd.gateway.dns_replicas import replica_address
-from tests.stack import ROOT, Stack, bound_ports, child_env
+from tests.stack import ROOT, Stack, bound_ports, child_env, free_port
 
 QUESTION = "what colour is the moving square?"
 OPTIONS = {"num_frames": 4, "max_new_tokens": 6}
@@ -41,20 +41,14 @@ def _labels(port: int, sample_name: str, stage: str) -> set[str]:
 
 
 def test_a_dns_name_is_routed_as_one_replica_per_address(tiny_models, tmp_path, shared_stack, media_files):
-    # Bound, never listening: a call to it is refused, and no other process can take the port.
-    dead_socket = socket.socket()
-    dead_socket.bind(("127.0.0.1", 0))
-    dead = dead_socket.getsockname()[1]
+    dead = free_port()  # nothing listens there, and no other process can take it
 
     def gateway_flags(stack: Stack) -> list[str]:
         return ["--prefill", f"dns:///localhost:{stack.ports['prefill']},dns:///localhost:{dead}"]
 
-    with (
-        dead_socket,
-        Stack(
-            tiny_models["qwen2_vl"], tmp_path / "logs", extra={"gateway": gateway_flags}, http=True
-        ) as stack,
-    ):
+    with Stack(
+        tiny_models["qwen2_vl"], tmp_path / "logs", extra={"gateway": gateway_flags}, http=True
+    ) as stack:
         port, http_port = stack.ports["prefill"], stack.http_port
         resolved = {replica_address(info[4][0], p) for p in (port, dead)
                     for info in socket.getaddrinfo("localhost", p, type=socket.SOCK_STREAM)}  # fmt: skip

@@ -234,7 +234,8 @@ def test_the_gateway_refuses_a_missing_or_wrong_api_key(stack, media_files, key)
 
 def test_unavailable_is_retried_until_the_gateway_comes_up(stack, media_files, expected, tmp_path):
     # A port picked here, not port 0 and a ports file: the client dials the address before any
-    # gateway exists (what this test is about), so it must be known before the gateway starts.
+    # gateway exists (what this test is about), so it must be known before the gateway starts;
+    # `free_port` holds it until then (no other process can take it; the gateway binds it).
     port = free_port()
     address = f"127.0.0.1:{port}"
     with EpdClient(address, timeout_s=60, api_key=API_KEY, retry=NO_RETRY) as c:

@@ -177,6 +177,51 @@ def test_crash_looping_replicas_are_given_up_and_the_stack_stops_with_its_last_o
     assert started.count("encoder[0]") == started.count("encoder[1]") == 2 and started.count("gateway") == 1
 
 
+def test_a_replica_moved_to_a_free_port_that_never_binds_is_killed_at_the_start_timeout(
+    health_servers, launcher_signals, capsys, tmp_path
+):
+    """encoder[0] exits while its port is held (here by its health server, which keeps listening):
+    it is restarted on port 0 with a ports file, and its processes never write one. Its health is
+    not asked until it binds, so the start timeout must end each; before, it stayed "starting" for
+    ever (and this test ended on the fixture's stop, EXIT_OK)."""
+    import re
+
+    from epd.cli.launcher import _supervise
+    from epd.cli.process_exit import EXIT_FAILED
+    from epd.cli.supervisor import RestartPolicy, State
+
+    policy = RestartPolicy(
+        backoff_initial_s=0.01, backoff_max_s=0.01, crash_loop_exits=3, start_timeout_s=1.0
+    )
+    slots = _slots(health_servers, ["gateway", "encoder[0]"], policy)
+    encoder = slots[1]
+    encoder.command = ["epd", "serve", "encoder", "--port", str(encoder.port)]
+    started: list[tuple[list[str], _Process]] = []
+
+    def start(slot):
+        # The gateway runs; the encoder's first process exits (code 1), the later ones never bind.
+        proc = _Process() if slot.role == "gateway" or started else _Process(1, polls=2)
+        if slot.role != "gateway":
+            started.append((list(slot.command), proc))
+        return proc
+
+    for slot in slots:
+        slot.proc = start(slot)
+    replicas_file = str(tmp_path / "replicas.json")
+    assert _supervise(slots, start, launcher_signals, policy, 30, replicas_file=replicas_file) == EXIT_FAILED
+    err = capsys.readouterr().err.splitlines()
+    exits = [line.split(") ", 1)[1] for line in err if line.startswith("epd: encoder[0] (pid ")]
+    assert len(exits) == 3 and exits[0] == "exited with code 1; restarting in 0.01 s", err
+    killed = re.compile(r"had not bound a port after \d+ s; killed it; ")
+    assert all(killed.match(line) for line in exits[1:]), err
+    assert exits[1].endswith("restarting in 0.01 s") and exits[2].endswith("giving up on it"), err
+    assert f"epd: encoder[0]: port {slots[1].port} is held by pid " in "\n".join(err)
+    assert [s.replica.state for s in slots] == [State.SERVING, State.GIVEN_UP]
+    moved = str(tmp_path / "encoder[0].ports.json")
+    assert [command[-4:] for command, _ in started[1:]] == [["--port", "0", "--ports-file", moved]] * 2
+    assert [proc.returncode for _, proc in started] == [1, -9, -9]
+
+
 @pytest.mark.parametrize("code", [3, 2])  # EXIT_MODEL, EXIT_USAGE: a restart would fail the same way
 def test_a_replica_that_cannot_load_its_model_stops_the_stack_without_a_restart(
     health_servers, launcher_signals, code

@@ -4,6 +4,8 @@ tests/integration/test_supervision.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from epd.cli.supervisor import Replica, RestartPolicy, State, stage_lost
@@ -120,6 +122,23 @@ def test_a_restarted_replica_has_the_start_timeout_to_load_its_model():
     )
     replica.answered(60.0, serving=True)
     assert replica.state is State.SERVING and replica.unresponsive_s(65.0) is None
+
+
+def test_a_restarted_replica_never_asked_is_flagged_at_the_start_timeout_and_backs_off():
+    """One moved to a free port that never binds: no health check ever reaches it (its old port is
+    another process's), so its start time alone tells; it is killed, waits and crash-loops as any
+    replica that is not SERVING in time."""
+    policy = dataclasses.replace(POLICY, start_timeout_s=5.0)
+    replica, now, delays = serving(policy=policy), 0.0, []
+    for _ in range(policy.crash_loop_exits - 1):
+        delays.append(crash_and_restart(replica, now))
+        started = now + delays[-1]  # never answered after this
+        assert replica.unresponsive_s(started + policy.start_timeout_s) is None
+        now = started + policy.start_timeout_s + 1.0
+        assert replica.unresponsive_s(now) == pytest.approx(policy.start_timeout_s + 1.0)
+    assert delays == [1.0, 2.0, 4.0, 8.0]  # the first exit's, then each kill's
+    decision = replica.exited(now)
+    assert decision.given_up and replica.state is State.GIVEN_UP
 
 
 def test_a_stage_is_lost_only_when_every_replica_is_given_up():

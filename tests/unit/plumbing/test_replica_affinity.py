@@ -151,7 +151,8 @@ def test_a_restarted_replica_serves_again_only_once_its_calls_can_go_out():
     its own said SERVING at once, and calls failed UNAVAILABLE for the rest of the backoff)."""
 
     async def scenario():
-        # Picked, not bound as port 0: the replica is down (nothing listens) before it serves there.
+        # Picked, not bound as port 0: the replica is down (nothing listens) before it serves there;
+        # `free_port` holds it meanwhile (no other process can take it; the server below binds it).
         port = free_port()
         address = f"127.0.0.1:{port}"
         pool = ReplicaPool([address])
