@@ -40,12 +40,10 @@ class SseChunks:
         if self.done:
             return chunks
         if self._cr_ended and data.startswith(b"\n"):
-            data = data[1:]
-        self._cr_ended = False
+            data = data[1:]  # the \n of a CRLF whose \r ended the last read
         lines = (self._pending + data).replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
         self._pending = lines.pop()  # b"" when `data` ended a line
-        # a read ending in \r ended its line, but a \n may open the next read: CRLF split in two
-        self._cr_ended = data.endswith(b"\r")
+        self._cr_ended = data.endswith(b"\r")  # its line ended, but a \n may open the next read
         for line in lines:
             chunk = self._line(line)
             if self.done:

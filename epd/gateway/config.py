@@ -185,7 +185,7 @@ _ASKING_NOTHING: dict[str, tuple[Any, str]] = {
 
 def _asks_nothing(value: Any, nothing: Any) -> bool:
     """Whether a key's `value` is its default (`nothing`), a bool read as vLLM's pydantic reads one."""
-    from epd.gateway.json_fields import lax_value  # pydantic: not for every `epd ... --help`
+    from epd.gateway.json_fields import lax_value  # pydantic: when used, not at every `epd --help`
 
     if isinstance(nothing, bool):
         return lax_value(value, bool) is False
@@ -218,7 +218,7 @@ class StructuredOutputsConfig:
     def from_json(cls, text: str) -> StructuredOutputsConfig:
         """The flag's JSON object, read as vLLM's pydantic config reads it (bools laxly: true, "yes",
         1); ValueError naming the keys epd does not take, or saying what is not JSON."""
-        from epd.gateway.json_fields import lax_value  # pydantic, only where the flag is given
+        from epd.gateway.json_fields import lax_value  # pydantic: when used, not at every `epd --help`
 
         try:
             given = json.loads(text)
