@@ -39,7 +39,8 @@ from epd.video import simple_decoder  # noqa: E402
 from epd.video.decord_backend import DecordDecoder, decord_available  # noqa: E402
 from epd.video.keyframe_index import KeyframeIndexCache, build_video_index  # noqa: E402
 from epd.video.media_open import open_video  # noqa: E402
-from epd.video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder  # noqa: E402
+from epd.video.parallel_decode_config import ParallelDecodeConfig  # noqa: E402
+from epd.video.parallel_decoder import ParallelDecoder  # noqa: E402
 from epd.video.plan import make_plan  # noqa: E402
 from epd.video.types import SamplingOptions  # noqa: E402
 from tests.media import make_video  # noqa: E402

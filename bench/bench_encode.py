@@ -35,7 +35,8 @@ from epd.model_runtime.config import ModelConfig  # noqa: E402
 from epd.model_runtime.loader import load_adapter  # noqa: E402
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint  # noqa: E402
 from epd.stages.contracts import MediaInput  # noqa: E402
-from epd.video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder  # noqa: E402
+from epd.video.parallel_decode_config import ParallelDecodeConfig  # noqa: E402
+from epd.video.parallel_decoder import ParallelDecoder  # noqa: E402
 from epd.video.types import DecodeLimits, SamplingOptions  # noqa: E402
 from tests.media import make_video  # noqa: E402
 

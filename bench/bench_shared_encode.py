@@ -34,7 +34,7 @@ from epd.encoder_svc.engine import EncoderEngine  # noqa: E402
 from epd.encoder_svc.single_flight import Interest  # noqa: E402
 from epd.encoder_svc.token_cache import TokenCacheConfig  # noqa: E402
 from epd.stages.contracts import MediaInput, RequestCancelled, StageEvent  # noqa: E402
-from epd.video.parallel_decoder import ParallelDecodeConfig  # noqa: E402
+from epd.video.parallel_decode_config import ParallelDecodeConfig  # noqa: E402
 from epd.video.types import SamplingOptions  # noqa: E402
 
 

@@ -27,7 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from epd.video.keyframe_index import build_video_index  # noqa: E402
-from epd.video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder  # noqa: E402
+from epd.video.parallel_decode_config import ParallelDecodeConfig  # noqa: E402
+from epd.video.parallel_decoder import ParallelDecoder  # noqa: E402
 from epd.video.types import DecodeLimits, MediaLimitError, SamplingOptions  # noqa: E402
 from tests.media import make_packet_flood, make_video  # noqa: E402
 

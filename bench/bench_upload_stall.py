@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import build_model, epd_port_flags, log, make_clips, stop  # noqa: E402
+from bench.sse import async_stream_chunks  # noqa: E402
 
 
 def start_stack(model: Path, log_path: Path) -> tuple[subprocess.Popen, int]:
@@ -69,8 +70,8 @@ async def streamed_chunk_times(session: aiohttp.ClientSession, clip: bytes, max_
     times = []
     async with session.post("/v1/chat/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
-        async for line in resp.content:
-            if line.startswith(b"data:") and b'"content"' in line:
+        async for chunk in async_stream_chunks(resp.content.iter_any()):
+            if any("content" in (choice.get("delta") or {}) for choice in chunk.get("choices") or []):
                 times.append(time.perf_counter())
     return times
 

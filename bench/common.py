@@ -6,8 +6,8 @@ synthetic clips (`make_clips`), and for an `epd serve` the bench starts itself: 
 (`server_command`), the wait until it serves (`wait_ready`) and one streaming chat request (`ask`,
 its messages from `user` and `data_url`, its answer a `Turn`).
 
-Plain Python at import (no torch, no epd): the load clients import it; what needs more imports it
-inside the function or runs in a child process."""
+Plain Python at import (no torch; of epd only the plain SSE reader, bench/sse.py): the load clients
+import it; what needs more imports it inside the function or runs in a child process."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from epd.bench.sse import stream_chunks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -165,19 +167,7 @@ def ask(
         resp = conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
-        while True:
-            raw = resp.readline()
-            if not raw:
-                break
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                break
-            chunk = json.loads(payload)
-            if chunk.get("error"):
-                raise RuntimeError(f"error in stream: {str(chunk['error'])[:300]}")
+        for chunk in stream_chunks(iter(lambda: resp.read1(1 << 16), b"")):
             for choice in chunk.get("choices") or []:
                 text = (choice.get("delta") or {}).get("content") or ""
                 if (choice.get("token_ids") or text) and not turn.ttft_ms:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from epd.bench.serve_requests import DEFAULT_QUESTIONS, RequestResult
+from epd.bench.sse import async_stream_chunks
 
 
 @dataclass(frozen=True)
@@ -193,16 +194,7 @@ async def _one_openai(session, target: OpenAITarget, body: bytes, url: str = "")
             if resp.status != 200:
                 r.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return r
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    break
-                chunk = json.loads(payload)
-                if chunk.get("error"):
-                    raise RuntimeError(f"error in stream: {str(chunk['error'])[:200]}")
+            async for chunk in async_stream_chunks(resp.content.iter_any()):
                 usage = chunk.get("usage") or {}
                 if usage:
                     r.num_prompt_tokens = int(usage.get("prompt_tokens") or 0)

@@ -8,7 +8,7 @@ from epd.encoder_svc.token_cache import TokenCacheConfig
 from epd.model_runtime.config import ModelConfig
 from epd.stages.scheduling import check_scheduling_policy
 from epd.stages.server_config import ServerConfig
-from epd.video.parallel_decoder import ParallelDecodeConfig
+from epd.video.parallel_decode_config import ParallelDecodeConfig
 from epd.video.types import DecodeLimits, SamplingOptions
 
 DEFAULT_PORT = 50051

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # the `epd` command line reads SamplingOptions and DecodeLimits without numpy
+    import numpy as np
 
-FrameResize = Callable[[np.ndarray], np.ndarray]
+FrameResize = Callable[["np.ndarray"], "np.ndarray"]
 """One decoded RGB frame [H, W, 3] uint8 -> the frame the caller keeps [h, w, 3] uint8. Must give
 every frame of a request the same size when given frames of one size."""
 

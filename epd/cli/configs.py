@@ -38,7 +38,7 @@ from epd.stages.server_config import (
     read_secrets,
 )
 from epd.token_pruning import PruningConfig
-from epd.video.parallel_decoder import ParallelDecodeConfig
+from epd.video.parallel_decode_config import ParallelDecodeConfig
 from epd.video.types import DecodeLimits, SamplingOptions
 
 

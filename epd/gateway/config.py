@@ -7,7 +7,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from epd.gateway.dns_replicas import DNS_REFRESH_INTERVAL_S, parse_dns_entry
-from epd.gateway.json_fields import lax_value
 from epd.gateway.reasoning import REASONING_PARSERS
 from epd.gateway.tool_parsers.stream import TOOL_CALL_PARSERS
 from epd.model_runtime.generation_defaults import GenerationDefaults
@@ -186,6 +185,8 @@ _ASKING_NOTHING: dict[str, tuple[Any, str]] = {
 
 def _asks_nothing(value: Any, nothing: Any) -> bool:
     """Whether a key's `value` is its default (`nothing`), a bool read as vLLM's pydantic reads one."""
+    from epd.gateway.json_fields import lax_value  # pydantic: when used, not at every `epd --help`
+
     if isinstance(nothing, bool):
         return lax_value(value, bool) is False
     return value in (nothing, None)
@@ -217,6 +218,8 @@ class StructuredOutputsConfig:
     def from_json(cls, text: str) -> StructuredOutputsConfig:
         """The flag's JSON object, read as vLLM's pydantic config reads it (bools laxly: true, "yes",
         1); ValueError naming the keys epd does not take, or saying what is not JSON."""
+        from epd.gateway.json_fields import lax_value  # pydantic: when used, not at every `epd --help`
+
         try:
             given = json.loads(text)
         except json.JSONDecodeError as exc:

@@ -83,7 +83,7 @@ def add_max_upload_bytes_flag(p: argparse.ArgumentParser | argparse._ArgumentGro
 
 
 def add_encoder_flags(p: argparse.ArgumentParser) -> None:
-    from epd.video.parallel_decoder import ParallelDecodeConfig
+    from epd.video.parallel_decode_config import ParallelDecodeConfig
 
     g = p.add_argument_group("encoder")
     add_max_upload_bytes_flag(g)

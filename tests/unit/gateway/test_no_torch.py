@@ -1,7 +1,7 @@
 """The gateway process starts without torch or transformers (issue #22 item 3: a short start-up).
 
-Each check imports in a fresh interpreter, so what this test session already loaded does not hide
-an import; `-X importtime` names the module that pulled a forbidden one in."""
+Each check imports in a fresh interpreter (tests/import_log.py), so what this test session already
+loaded does not hide an import; `-X importtime` names the module that pulled a forbidden one in."""
 
 from __future__ import annotations
 
@@ -10,34 +10,9 @@ import sys
 
 import pytest
 
+from tests.import_log import imported_packages, who_imported
+
 FORBIDDEN = ("torch", "transformers")
-
-
-def _imported(module: str) -> tuple[set[str], str]:
-    """Top-level package names loaded by `import module`, and the import-time log."""
-    code = f"import sys, {module}; print(' '.join(sorted({{m.split('.')[0] for m in sys.modules}})))"
-    proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    return set(proc.stdout.split()), proc.stderr
-
-
-def _who(log: str, name: str) -> str:
-    """The chain of imports that first loaded `name`, from the import-time log (which lists a
-    module after the modules it imported, indented one step deeper than its importer)."""
-    rows = [line.split("|")[-1] for line in log.splitlines() if line.startswith("import time:")]
-    at = next(i for i, row in enumerate(rows) if row.strip() == name)
-    chain, depth = [name], len(rows[at]) - len(rows[at].lstrip())
-    for row in rows[at + 1 :]:
-        indent = len(row) - len(row.lstrip())
-        if indent < depth:
-            chain.append(row.strip())
-            depth = indent
-    return " <- ".join(chain)
 
 
 @pytest.mark.parametrize(
@@ -48,10 +23,10 @@ def _who(log: str, name: str) -> str:
     ],
 )
 def test_gateway_imports_neither_torch_nor_transformers(module):
-    loaded, log = _imported(module)
+    loaded, log = imported_packages(f"import {module}")
     assert "epd" in loaded and "grpc" in loaded, "the check must see the real import"
     for name in FORBIDDEN:
-        assert name not in loaded, f"importing {module} loads {name}:\n{_who(log, name)}"
+        assert name not in loaded, f"importing {module} loads {name}:\n{who_imported(log, name)}"
 
 
 def test_the_relay_path_builds_no_torch_tensor():

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from epd.video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder
+from epd.video.parallel_decode_config import ParallelDecodeConfig
+from epd.video.parallel_decoder import ParallelDecoder
 from tests.media import encoder_available, make_video
 
 

@@ -16,7 +16,8 @@ import pytest
 from epd.video import decord_backend, parallel_decoder, simple_decoder
 from epd.video.budget import DecodeBudget
 from epd.video.decord_backend import DecordDecoder, decord_available
-from epd.video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder
+from epd.video.parallel_decode_config import ParallelDecodeConfig
+from epd.video.parallel_decoder import ParallelDecoder
 from epd.video.types import DecodeLimits, MediaLimitError, SamplingOptions
 
 SMALL = dict(size=(96, 64), fps=10.0, seconds=3.0, gop=10)

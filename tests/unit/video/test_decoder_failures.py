@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from epd.video import parallel_decoder, simple_decoder
-from epd.video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder
+from epd.video.parallel_decode_config import ParallelDecodeConfig
+from epd.video.parallel_decoder import ParallelDecoder
 from epd.video.types import MediaError, SamplingOptions
 
 SMALL = dict(size=(96, 64), fps=10.0, seconds=3.0, gop=10)

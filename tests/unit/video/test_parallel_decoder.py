@@ -259,7 +259,8 @@ def test_limits_are_enforced(video_factory, decoder):
 def test_non_reference_frames_are_skipped_without_changing_any_frame(video_factory, codec):
     """Long GOPs with B-frames: most frames between targets are decoded only because they are on
     the way. Skipping the non-reference ones must leave every returned frame identical."""
-    from epd.video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder
+    from epd.video.parallel_decode_config import ParallelDecodeConfig
+    from epd.video.parallel_decoder import ParallelDecoder
 
     data = video_factory(".mp4", codec=codec, size=(96, 64), fps=10.0, seconds=6.0, gop=60, bframes=3)
     opts = SamplingOptions(num_frames=5)
@@ -430,7 +431,8 @@ def test_close_waits_once_for_all_stuck_workers(video_factory, monkeypatch):
     the joins share one deadline (their timeouts add up to the wait, where 5 s each added N x 5 s
     to a cut drain). The joins are recorded, not timed."""
     from epd.video import parallel_decoder
-    from epd.video.parallel_decoder import DecodeWorker, ParallelDecodeConfig, ParallelDecoder
+    from epd.video.parallel_decode_config import ParallelDecodeConfig
+    from epd.video.parallel_decoder import DecodeWorker, ParallelDecoder
 
     wait_s = 0.3
     monkeypatch.setattr(parallel_decoder, "CLOSE_WAIT_S", wait_s)

@@ -17,7 +17,8 @@ from epd.video import budget, simple_decoder
 from epd.video.decord_backend import DecordDecoder
 from epd.video.keyframe_index import KeyframeIndexCache, build_video_index, content_sha256
 from epd.video.media_open import _open_av, open_video, sniff_container
-from epd.video.parallel_decoder import ParallelDecodeConfig, ParallelDecoder
+from epd.video.parallel_decode_config import ParallelDecodeConfig
+from epd.video.parallel_decoder import ParallelDecoder
 from epd.video.types import DecodeLimits, MediaError, MediaLimitError, SamplingOptions
 from tests.local_http import recording_server
 from tests.media import make_audio_flood, make_packet_flood, make_resolution_change, make_video
