@@ -57,7 +57,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import free_port, takes_ports_file  # noqa: E402
+from bench.common import takes_ports_file  # noqa: E402
+from epd.transport.ports_file import free_port  # noqa: E402
 
 QWEN2_NUM_MERGES = 151_387  # Qwen2's tokenizer.json: 256 byte symbols + 151,387 merges = 151,643 tokens
 QWEN2_VL_VOCAB = 151_936  # Qwen2-VL's config.json vocab_size (embedding rows)

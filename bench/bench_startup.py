@@ -44,8 +44,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import epd_port_flags, free_port, stop, takes_ports_file  # noqa: E402
+from bench.common import epd_port_flags, stop, takes_ports_file  # noqa: E402
 from epd.resources import demo_model_dir, shipped  # noqa: E402
+from epd.transport.ports_file import free_port  # noqa: E402
 
 QUESTION = "what colour is the circle?"
 MAX_TOKENS = 8

@@ -66,7 +66,6 @@ from epd.bench.common import (  # noqa: E402
     bound_ports,
     build_model,
     epd_port_flags,
-    free_port,
     log,
     make_clips,
     stop,
@@ -84,6 +83,7 @@ from epd.bench.serve import parse_levels  # noqa: E402
 from epd.bench.serve_report import sweep_table, write_plot  # noqa: E402
 from epd.bench.serve_requests import DEFAULT_QUESTIONS, summarize  # noqa: E402
 from epd.bench.vs_transformers_report import cpu_table, memory_table, side_by_side  # noqa: E402
+from epd.transport.ports_file import free_port  # noqa: E402
 
 SERVERS = ("epd", "epd-t1", "epd-colocate", "transformers")
 """epd: the four-process stack (`epd serve`, --epd-threads); epd-t1: the same with one torch thread

@@ -1,6 +1,6 @@
 """What the bench scripts share: a timestamped log line, the ports of an `epd serve` that binds
-port 0 (`epd_port_flags`, `bound_ports`) or a free port for a server that cannot (`free_port`: an
-older revision's, `takes_ports_file`),
+port 0 (`epd_port_flags`, `bound_ports`; a server that cannot, an older revision's
+(`takes_ports_file`) or `transformers serve`, gets epd.transport.ports_file's `free_port`),
 stopping a server's process group (`stop`), bench/bench_pruning.py's 27M Qwen2-VL (`build_model`),
 synthetic clips (`make_clips`), and for an `epd serve` the bench starts itself: its command line
 (`server_command`), the wait until it serves (`wait_ready`) and one streaming chat request (`ask`,
@@ -17,7 +17,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,19 +32,11 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def free_port() -> int:
-    """A port free now, for a server that cannot bind port 0 and say which it got (`transformers
-    serve`): another process may take it before that server binds it. epd's servers bind port 0
-    themselves (`epd_port_flags`)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @functools.cache
 def takes_ports_file(root: Path, role: str = "") -> bool:
     """Whether `epd serve [ROLE]` of the tree at `root` takes --ports-file: a bench that also runs
-    an older revision (`git archive REV`) from before it gives that one ports picked with `free_port`."""
+    an older revision (`git archive REV`) from before it gives that one ports picked with `free_port`
+    (epd/transport/ports_file.py)."""
     command = [sys.executable, "-m", "epd.cli.main", "serve", *([role] if role else []), "--help"]
     env = {**os.environ, "PYTHONPATH": str(root)}
     shown = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, check=True)

@@ -12,7 +12,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,27 +36,6 @@ ROLE_SERVICES = {
 (whatever it is) never counts as the role serving."""
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-_reserved: dict[int, socket.socket] = {}
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on, reserved for this test process, for an address that must
-    be known before anything listens there (a client dialing a gateway not started yet, a replica
-    nobody serves). Reserved by a socket bound to it with SO_REUSEADDR that never listens, kept
-    open until the process exits: the kernel hands it to no port-0 bind (of any process: a server
-    another test or a parallel run starts), while a server told to listen on it binds it (gRPC
-    and aiohttp bind with SO_REUSEADDR, which only a listening socket refuses); dialed, it refuses
-    connections as a free port does. Before, the port was closed and passed on, and another process
-    could take it in between. A server whose port need not be known first binds port 0 itself and
-    names it in its ports file (`bound_ports`; `Stack`, `stage_replica`)."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    _reserved[port] = sock
-    return port
 
 
 def serving_pid(port: int) -> int | None:

@@ -6,7 +6,8 @@ The stack (`epd serve [--encoders N --prefills N --decodes N]`) is supervised on
 up: a service that exits, or stops answering its gRPC health for --health-timeout, is restarted
 with backoff while the others keep serving, and one that crash-loops is given up on
 (epd/cli/supervisor.py); only SIGTERM/SIGINT stops the stack. Before it has come up, and at any
-time for exit codes 2 and 3 (a restart would fail the same way), a service that exits stops it.
+time for exit codes 2 and 3 (a restart would fail the same way), a service that exits stops it;
+so does one not serving --start-timeout after the launch (a restarted one is killed and restarted).
 Its services share an internal secret the launcher makes (`stack_security_flags`,
 epd/cli/stack_security.py): the stages refuse calls without it; with --tls-cert every port is TLS
 and the stages take only the stack's own certificate (docs/security.md). Their command lines:
@@ -90,7 +91,13 @@ def stop_wait_s(grace_period_s: float, close_timeout_s: float) -> float:
     return grace_period_s + after_drain_s + _EXIT_MARGIN_S
 
 
-def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int:
+def restart_policy(args: argparse.Namespace) -> RestartPolicy:
+    """The stack's supervision from its flags: --start-timeout bounds the start-up and every restart
+    alike (a model slower to load than the one would be killed at each of the other)."""
+    return RestartPolicy(health_timeout_s=args.health_timeout, start_timeout_s=args.start_timeout)
+
+
+def serve_stack(args: argparse.Namespace) -> int:
     import tempfile
 
     from epd.cli.leftovers import remove_dead_stacks
@@ -123,7 +130,7 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
     except ModelLoadError as exc:
         print(f"epd: {exc}", file=sys.stderr)
         return EXIT_MODEL
-    policy = RestartPolicy(health_timeout_s=args.health_timeout, start_timeout_s=ready_timeout_s)
+    policy = restart_policy(args)
     # The stages refuse calls without the stack's own secret: any local user could otherwise call
     # them directly, past the gateway's API key and limits. One given to `epd serve`
     # ($EPD_INTERNAL_SECRET, inherited by the services) is used instead: a tool can present it.
@@ -206,7 +213,7 @@ def serve_stack(args: argparse.Namespace, ready_timeout_s: float = 600.0) -> int
         for slot in slots:
             if not (staggered and slot.role == "gateway"):
                 slot.proc = start(slot)
-        return _supervise(slots, start, signals, policy, ready_timeout_s, args.ports_file, replicas_file)
+        return _supervise(slots, start, signals, policy, args.ports_file, replicas_file)
     finally:
         _stop_all(slots, stop_wait_s(args.grace_period, args.close_timeout_s), signals)
         zygote.stop()
@@ -219,7 +226,6 @@ def _supervise(
     start: Callable[[_Slot], Service],
     signals: _Signals,
     policy: RestartPolicy,
-    ready_timeout_s: float,
     ports_file: str = "",
     replicas_file: str = "",
 ) -> int:
@@ -227,7 +233,9 @@ def _supervise(
     flag would only fail again), then keep them running until a signal (epd/cli/supervisor.py):
     restart what exits or stops answering, give up on what crash-loops. `replicas_file`: the
     gateway's, where a stage replica restarted on another port is listed (`_restart`)."""
-    if (code := _wait_ready(slots, start, signals, ready_timeout_s)) is not None or signals.stop.is_set():
+    if (
+        code := _wait_ready(slots, start, signals, policy.start_timeout_s)
+    ) is not None or signals.stop.is_set():
         return code or EXIT_OK
     by_role: dict[str, list[str]] = {}
     for slot in slots:
@@ -359,7 +367,9 @@ def _wait_ready(
                 pending.remove(slot)
         if time.monotonic() > deadline:
             print(
-                f"epd: not ready after {ready_timeout_s:.0f} s: {[s.name for s in pending]}", file=sys.stderr
+                f"epd: not ready after {ready_timeout_s:g} s: {[s.name for s in pending]} (a model slower "
+                "to load needs a longer --start-timeout)",
+                file=sys.stderr,
             )
             return EXIT_FAILED
         signals.stop.wait(0.2)

@@ -43,7 +43,8 @@ class RestartPolicy:
     health_timeout_s: float = 10.0
     """A replica that served and then gets no answer to its health checks for this long is killed."""
     start_timeout_s: float = 600.0
-    """A restarted replica that is not SERVING within this long (loading its model) is killed,
+    """`--start-timeout`. At the stack's start-up, every service must be SERVING within this long
+    (else the stack stops). A restarted replica that is not SERVING within this long (loading its model) is killed,
     counted from its start: the time before it binds its port (one moved to a free port, whose
     health is not asked until then) is part of it."""
 
@@ -57,8 +58,10 @@ class RestartPolicy:
                 f"a crash loop needs >= 1 exit in > 0 s, got {self.crash_loop_exits} "
                 f"in {self.crash_loop_window_s}"
             )
-        if self.health_timeout_s <= 0 or self.start_timeout_s <= 0:
+        if self.health_timeout_s <= 0:
             raise ValueError(f"--health-timeout must be > 0 seconds, got {self.health_timeout_s}")
+        if self.start_timeout_s <= 0:
+            raise ValueError(f"--start-timeout must be > 0 seconds, got {self.start_timeout_s}")
 
 
 class State(enum.Enum):

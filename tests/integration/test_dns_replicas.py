@@ -21,7 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from epd.cli.health import health_answer
 from epd.client import EpdClient
 from epd.gateway.dns_replicas import replica_address
-from tests.stack import ROOT, Stack, bound_ports, child_env, free_port
+from epd.transport.ports_file import free_port
+from tests.stack import ROOT, Stack, bound_ports, child_env
 
 QUESTION = "what colour is the moving square?"
 OPTIONS = {"num_frames": 4, "max_new_tokens": 6}

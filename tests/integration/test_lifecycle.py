@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from epd.cli.leftovers import remove_dead_stacks
-from epd.cli.process_exit import EXIT_MODEL
+from epd.cli.process_exit import EXIT_FAILED, EXIT_MODEL
 from epd.cli.stack_security import STACK_DIR_PREFIX
 from epd.model_runtime.threads import BOARD_PREFIX, OPENMP_WAIT_SETTINGS, board_directory, stack_board_name
 from epd.stages.contracts import MediaInput
@@ -104,6 +104,48 @@ def test_serve_on_a_broken_model_says_why_in_one_line(tiny_models, tmp_path, how
     assert REASONS[how] in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert took_s < REPORT_BOUND_S, f"took {took_s:.1f} s"
     assert _processes_naming(str(model)) == []
+
+
+def test_a_stack_not_serving_within_its_start_timeout_stops_and_leaves_nothing_running(tiny_models, tmp_path):
+    """`epd serve --start-timeout` shorter than the model's load: the launcher names the services
+    not serving yet, exits 1 and stops what it started (the zygote and the services it forked, still
+    loading), its files and threads board removed. Before the flag every stack had 600 s, and a
+    model slower than that to load could not be served."""
+    files_dir = tmp_path / "tmp"
+    files_dir.mkdir()
+    log_path = tmp_path / "stack.log"
+    env = {**child_env(), "TMPDIR": str(files_dir)}
+    command = epd_command("serve", "--model", str(tiny_models["qwen2_vl"]), "--http-port", "0", *_stack_ports(),
+                          "--start-timeout", "0.1")  # fmt: skip
+    seen: dict[int, psutil.Process] = {}
+    with open(log_path, "w") as log:
+        launcher = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 120.0  # a bound on a hung launcher, not a timing assertion
+        while launcher.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(psutil.NoSuchProcess):  # its processes, as they start
+                seen |= {child.pid: child for child in psutil.Process(launcher.pid).children(recursive=True)}
+            time.sleep(0.02)
+        code = launcher.wait(timeout=10)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    for proc in list(seen.values()):  # any the launcher left: a process's children outlive it
+        with contextlib.suppress(psutil.NoSuchProcess):
+            seen |= {child.pid: child for child in proc.children(recursive=True)}
+    stderr = log_path.read_text()
+    assert code == EXIT_FAILED, stderr
+    not_ready = (
+        "epd: not ready after 0.1 s: ['gateway', 'encoder[0]', 'prefill[0]', 'decode[0]'] (a model slower"
+    )
+    assert f"{not_ready} to load needs a longer --start-timeout)\n" in stderr and "Traceback" not in stderr, (
+        stderr
+    )
+    assert seen, "the launcher started nothing: the test saw no process of the stack to check"
+    _, alive = psutil.wait_procs(list(seen.values()), timeout=30)  # returns once they have gone
+    assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE], [c.cmdline()[:6] for c in alive]
+    assert not list(files_dir.iterdir())
+    assert not list(board_directory().glob(stack_board_name(f"{launcher.pid}-*")))
 
 
 def test_one_service_reports_its_model_and_closes_cleanly(tiny_models, tmp_path):

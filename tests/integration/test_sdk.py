@@ -37,8 +37,9 @@ from epd.gateway.config import GatewayConfig
 from epd.gateway.pipeline import Pipeline
 from epd.gateway.server import remote_pipeline
 from epd.gateway.servicer import GatewayServicer
+from epd.transport.ports_file import free_port
 from epd.v1 import gateway_pb2_grpc
-from tests.stack import ROOT, Stack, child_env, epd_command, free_port
+from tests.stack import ROOT, Stack, child_env, epd_command
 
 API_KEY = "sdk-test-key"
 QUESTION = "what colour is the moving square?"

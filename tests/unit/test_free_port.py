@@ -1,17 +1,20 @@
-"""tests/stack.py's `free_port`: a loopback port known before anything listens there (a gateway a
-client dials before it starts, a replica that is down), held so that no other process takes it
-meanwhile, and bound by the server the test starts there."""
+"""epd/transport/ports_file.py's `free_port`, the tests' and the bench scripts': a loopback port
+known before anything listens there (a gateway a client dials before it starts, a replica that is
+down, a `transformers serve` the bench starts), held so that no other process takes it meanwhile,
+and bound by the server started there."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import importlib
 import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
-from tests.stack import free_port
+from epd.transport.ports_file import free_port
 
 
 def test_a_free_port_refuses_calls_and_is_bound_only_by_the_server_told_to():
@@ -32,3 +35,31 @@ def test_a_free_port_refuses_calls_and_is_bound_only_by_the_server_told_to():
         server.stop(None)
         pool.shutdown()
     assert free_port() != port
+
+
+def test_a_server_bound_through_asyncio_binds_a_free_port():
+    """uvicorn (`transformers serve`, which the bench starts on a port it picks) and aiohttp bind
+    through asyncio's `create_server`, with SO_REUSEADDR on Linux: the held port is theirs to bind."""
+    port = free_port()
+
+    async def serve_once() -> None:
+        server = await asyncio.get_running_loop().create_server(asyncio.Protocol, "127.0.0.1", port)
+        async with server:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            await writer.wait_closed()
+
+    asyncio.run(serve_once())
+
+
+@pytest.mark.parametrize(
+    "script", ["bench_startup", "bench_prefill_tokenizer", "bench_vs_transformers_serve"]
+)
+def test_the_bench_scripts_hold_the_ports_they_pick(script):
+    """The bench scripts that start a server on a port they pick (an epd revision from before
+    --ports-file, `transformers serve`) hold it until they exit. Before, bench/common.py's own
+    copy closed it and passed the number on: another process could bind it in between."""
+    port = importlib.import_module(f"bench.{script}").free_port()
+    with socket.socket() as other, pytest.raises(OSError) as err:
+        other.bind(("127.0.0.1", port))
+    assert err.value.errno == errno.EADDRINUSE

@@ -251,6 +251,17 @@ def _add_stack_flags(serve) -> None:
             "crash-loops is given up on)",
         )
     )
+    supervision.append(
+        g.add_argument(
+            "--start-timeout",
+            type=positive_seconds,
+            default=600.0,
+            metavar="SECONDS",
+            help="every service must serve within this long of its start (loading its model), at the "
+            "stack's start-up (else the stack exits, code 1) and after a restart (else it is killed "
+            "and restarted); raise it for a model slow to load",
+        )
+    )
     why = "the stack's replicas and their supervision; --colocate runs one process with one stage of each"
     serves_only(STACK, why, *supervision)
     serve.add_argument(

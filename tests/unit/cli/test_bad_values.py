@@ -19,9 +19,10 @@ from epd.cli.process_exit import EXIT_USAGE
 from epd.cli.serve import serve_role
 from epd.stages.server_config import TransportSecurity
 from epd.transport import security
+from epd.transport.ports_file import free_port
 from epd.video.types import SamplingOptions
 from tests.pki import make_pki
-from tests.stack import ROOT, free_port
+from tests.stack import ROOT
 
 VIDEO = str(ROOT / "samples" / "sample.mp4")
 

@@ -44,6 +44,7 @@ def refusal(capsys, argv: list[str]) -> str:
         ),
         (["serve", "--colocate", "--encoders", "1"], "--encoders does", "one stage of each"),
         (["serve", "--colocate", "--health-timeout", "3"], "--health-timeout does", ""),
+        (["serve", "--colocate", "--start-timeout", "900"], "--start-timeout does", "one stage of each"),
         (["serve", "--colocate", "--tls-ca", "ca.pem"], "--tls-ca does", "--tls-key alone serve"),
         (["serve", "--colocate", "--secret-check-interval-s", "2"], "--secret-check-interval-s does", ""),
         (

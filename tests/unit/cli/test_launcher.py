@@ -151,7 +151,7 @@ def test_crash_looping_replicas_are_given_up_and_the_stack_stops_with_its_last_o
     # port before a restart would find each taken (tests/integration/test_supervision.py has real ones).
     monkeypatch.setattr(launcher, "port_taken", lambda host, port: False)
 
-    policy = RestartPolicy(backoff_initial_s=0.01, backoff_max_s=0.01, crash_loop_exits=2)
+    policy = RestartPolicy(backoff_initial_s=0.01, backoff_max_s=0.01, crash_loop_exits=2, start_timeout_s=30)
     slots = _slots(health_servers, ["gateway", "encoder[0]", "encoder[1]"], policy)
     started: list[str] = []
 
@@ -164,7 +164,7 @@ def test_crash_looping_replicas_are_given_up_and_the_stack_stops_with_its_last_o
 
     for slot in slots:
         slot.proc = start(slot)
-    assert _supervise(slots, start, launcher_signals, policy, ready_timeout_s=30) == EXIT_FAILED
+    assert _supervise(slots, start, launcher_signals, policy) == EXIT_FAILED
     err = capsys.readouterr().err.splitlines()
     exits = [line.split(") ", 1)[1] for line in err if line.startswith("epd: encoder[1] (pid ")]
     assert exits == [
@@ -208,7 +208,7 @@ def test_a_replica_moved_to_a_free_port_that_never_binds_is_killed_at_the_start_
     for slot in slots:
         slot.proc = start(slot)
     replicas_file = str(tmp_path / "replicas.json")
-    assert _supervise(slots, start, launcher_signals, policy, 30, replicas_file=replicas_file) == EXIT_FAILED
+    assert _supervise(slots, start, launcher_signals, policy, replicas_file=replicas_file) == EXIT_FAILED
     err = capsys.readouterr().err.splitlines()
     exits = [line.split(") ", 1)[1] for line in err if line.startswith("epd: encoder[0] (pid ")]
     assert len(exits) == 3 and exits[0] == "exited with code 1; restarting in 0.01 s", err
@@ -229,7 +229,7 @@ def test_a_replica_that_cannot_load_its_model_stops_the_stack_without_a_restart(
     from epd.cli.launcher import _supervise
     from epd.cli.supervisor import RestartPolicy
 
-    policy = RestartPolicy(backoff_initial_s=0.01)
+    policy = RestartPolicy(backoff_initial_s=0.01, start_timeout_s=30)
     slots = _slots(health_servers, ["gateway", "decode[0]"], policy)
     started: list[str] = []
 
@@ -239,7 +239,7 @@ def test_a_replica_that_cannot_load_its_model_stops_the_stack_without_a_restart(
 
     for slot in slots:
         slot.proc = start(slot)
-    assert _supervise(slots, start, launcher_signals, policy, ready_timeout_s=30) == code
+    assert _supervise(slots, start, launcher_signals, policy) == code
     assert started == ["gateway", "decode[0]"]
 
 

@@ -36,17 +36,33 @@ def test_the_encoder_has_no_structured_compile_timeout(capsys):
         (["--decodes", "two"], "expected a number of replicas"),
         (["--health-timeout", "0"], "must be > 0 seconds"),
         (["--health-timeout", "-3"], "must be >= 0 seconds"),
+        (["--start-timeout", "0"], "argument --start-timeout: must be > 0 seconds, got '0'"),
+        (["--start-timeout", "-1"], "argument --start-timeout: must be >= 0 seconds, got '-1'"),
+        (["--start-timeout", "10m"], "argument --start-timeout: expected seconds, got '10m'"),
     ],
 )
 def test_bad_replica_and_health_flags_are_usage_errors(argv, message, capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as info:
         build_parser().parse_args(["serve", *argv])
+    assert info.value.code == 2
     assert message in capsys.readouterr().err
 
 
 def test_replica_and_health_defaults():
     args = build_parser().parse_args(["serve"])
     assert (args.encoders, args.prefills, args.decodes, args.health_timeout) == (1, 1, 1, 10.0)
+    assert args.start_timeout == 600.0  # the start-up and restart timeout it replaces
+
+
+def test_the_start_timeout_is_the_stacks_start_up_and_restart_timeout():
+    """One flag for both: a model slower to load than the start-up allows would also be killed at
+    every restart."""
+    from epd.cli.launcher import restart_policy
+
+    policy = restart_policy(
+        build_parser().parse_args(["serve", "--start-timeout", "1800", "--health-timeout", "5"])
+    )
+    assert (policy.start_timeout_s, policy.health_timeout_s) == (1800.0, 5.0)
 
 
 def test_a_negative_grace_period_is_a_usage_error(capsys):

@@ -158,6 +158,7 @@ def test_a_stage_is_lost_only_when_every_replica_is_given_up():
         ({"backoff_initial_s": 40.0}, "backoff"),
         ({"crash_loop_exits": 0}, "crash loop"),
         ({"health_timeout_s": 0.0}, "--health-timeout"),
+        ({"start_timeout_s": 0.0}, "--start-timeout must be > 0 seconds, got 0.0"),
     ],
 )
 def test_a_policy_that_cannot_work_is_refused(changes, message):

@@ -18,9 +18,9 @@ from epd.decode_svc.config import DecodeConfig
 from epd.decode_svc.kv_pull import KvPuller
 from epd.stages.errors import InvalidRequest, KvSourceLost
 from epd.stages.server_config import ServerConfig
+from epd.transport.ports_file import free_port
 from epd.transport.server import create_server
 from epd.v1 import prefill_pb2, prefill_pb2_grpc
-from tests.stack import free_port
 
 DEFAULT = DecodeConfig().allow_kv_from  # 127.0.0.1:*, localhost:*, [::1]:*
 K8S = ("10.0.0.0/8:50052", "172.16.0.0/12:50052", "192.168.0.0/16:50052")  # deploy/k8s/decode.yaml

@@ -12,11 +12,11 @@ from epd.gateway.metrics import GatewayMetrics, MeteredPipeline
 from epd.gateway.pipeline import Pipeline
 from epd.stages.engine_core import EngineLoad
 from epd.transport.load_servicer import stage_loads, with_load_service
+from epd.transport.ports_file import free_port
 from epd.transport.remote_decode import RemoteDecodeStage
 from epd.transport.remote_encode import RemoteEncodeStage
 from epd.transport.remote_prefill import RemotePrefillStage
 from epd.transport.replica_pool import ReplicaPool
-from tests.stack import free_port
 
 ENGINE_METRICS = {
     "epd_engine_running_requests": ("gauge", "num_running"),

@@ -28,10 +28,10 @@ from epd.prefill_svc.servicer import PrefillServicer
 from epd.stages.model_info import ModelInfo, common_model_info
 from epd.transport.errors import UpstreamError
 from epd.transport.model_info import model_info_from_proto, model_info_to_proto
+from epd.transport.ports_file import free_port
 from epd.transport.remote_prefill import RemotePrefillStage
 from epd.transport.replica_pool import ReplicaPool
 from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, messages_pb2, prefill_pb2_grpc
-from tests.stack import free_port
 
 QWEN = ModelInfo(
     vocab_size=512, context_tokens=32768, max_prompt_tokens=32768, max_new_tokens=4096, model_type="qwen2_vl"

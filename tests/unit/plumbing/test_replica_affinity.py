@@ -15,8 +15,8 @@ from epd.gateway.config import GatewayConfig
 from epd.gateway.readiness import StageHealth
 from epd.transport.affinity import rendezvous_order
 from epd.transport.errors import UpstreamError
+from epd.transport.ports_file import free_port
 from epd.transport.replica_pool import ReplicaPool
-from tests.stack import free_port
 from tests.unit.plumbing.grpc_fakes import SERVICE, start_server, unary
 
 TIMEOUT_S = 10.0

@@ -372,7 +372,7 @@ def test_a_call_before_the_stage_is_ready_logs_one_line_saying_so(caplog):
     """Before any replica of a stage has served, every early request's call is refused: it logged
     two WARNING lines (the replica's, then the status's) burying the start-up's own; one now, that
     says the stage is not ready. Once a replica has served, a lost one is named as lost."""
-    from tests.stack import free_port
+    from epd.transport.ports_file import free_port
 
     async def call(pool: ReplicaPool) -> UpstreamError:
         with pytest.raises(UpstreamError) as err:

@@ -11,9 +11,9 @@ import pytest
 from epd.stages.contracts import PrefillHandle
 from epd.stages.errors import EpdError
 from epd.transport.channel_cache import ChannelCache
+from epd.transport.ports_file import free_port
 from epd.transport.remote_prefill import RemotePrefillStage
 from epd.transport.replica_pool import ReplicaPool
-from tests.stack import free_port
 
 CLOSED: list[str] = []
 
