@@ -95,3 +95,32 @@ def test_hidden_transformers_bars_leave_a_whole_model_load_silent(tiny_models, c
     finally:
         transformers_logging.set_tqdm_hook(None)
     assert "Loading weights" not in capfd.readouterr().err
+
+
+def _file_mapped(tensor: torch.Tensor, files: list[str]) -> bool:
+    """Whether `tensor`'s bytes lie in this process's mapping of one of `files`."""
+    address = tensor.data_ptr()
+    for line in open("/proc/self/maps").read().splitlines():
+        span, *rest = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= address < end:
+            return len(rest) == 5 and rest[4] in files
+    return False
+
+
+@pytest.mark.parametrize("which", ["shipped (hub keys)", "qwen2_vl (v5 keys)"])
+def test_a_stage_keeps_its_weights_in_the_checkpoints_mapped_file(tiny_models, which):
+    """Prefill and decode (and every replica of a stage) read the same checkpoint: its tensors kept
+    as the parameters are the file's pages, shared by those processes, where a copy in each made
+    every process hold the language model's weights on its own (docs/benchmarks.md, "Where the
+    peak PSS goes")."""
+    path = _checkpoints(tiny_models)[which]
+    root, names = safetensors_files(path)
+    files = [str((root / n).resolve()) for n in names]
+    language = Qwen2VLAdapter(path, ModelConfig(), {"language"})
+    vision = Qwen2VLAdapter(path, ModelConfig(), {"vision"})
+    for part in (language.model, vision.visual):
+        weights = dict(part.named_parameters())
+        assert weights and all(w.dtype == torch.float32 for w in weights.values())
+        in_memory = [n for n, w in weights.items() if not _file_mapped(w, files)]
+        assert not in_memory, f"{len(in_memory)} of {len(weights)} weights copied, e.g. {in_memory[:3]}"
