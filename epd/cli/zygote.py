@@ -274,13 +274,16 @@ def smaps_mappings(smaps: str) -> list[tuple[int, int, str, str, dict[str, int]]
 
 
 def clean_file_mappings(smaps: str) -> list[tuple[int, int]]:
-    """(start, length) of each private mapping of a regular file in `smaps` with resident pages and
-    no anonymous (copy-on-write) one: those a MADV_DONTNEED leaves reading as they did. Special
-    files (/dev/...) and anonymous mappings ([heap], [stack], ...) are never listed."""
+    """(start, length) of each read-only private mapping of a regular file in `smaps` with resident
+    pages and no anonymous (copy-on-write) one: those a MADV_DONTNEED leaves reading as they did.
+    Read-only, because no thread can write there between the read of smaps and the madvise (a
+    written page of a writable one would be lost); special files (/dev/...) and anonymous mappings
+    ([heap], [stack], ...) are never listed."""
     return [
         (start, end - start)
         for start, end, perms, path, fields in smaps_mappings(smaps)
-        if perms[3] == "p"
+        if perms[1] == "-"
+        and perms[3] == "p"
         and path.startswith("/")
         and not path.startswith("/dev/")
         and fields.get("Rss", 0) > 0
@@ -289,11 +292,9 @@ def clean_file_mappings(smaps: str) -> list[tuple[int, int]]:
 
 
 def drop_clean_file_pages() -> int:
-    """Drop this process's page-table entries of its clean private file mappings; the bytes they
-    held (RSS). Only for a process with one thread that runs nothing of what it mapped (the zygote):
-    another thread could write a private page between the read of smaps and the madvise."""
-    if len(os.listdir("/proc/self/task")) != 1:
-        return 0
+    """Drop this process's page-table entries of its clean read-only file mappings
+    (`clean_file_mappings`); the bytes they held (RSS). For a process that runs little of what it
+    mapped (the zygote: its fork loop; numpy's OpenBLAS may have started an idle thread)."""
     smaps = Path("/proc/self/smaps").read_text()
     rss = _rss_bytes(smaps)
     libc = ctypes.CDLL(None, use_errno=True)
