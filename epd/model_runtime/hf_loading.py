@@ -194,10 +194,26 @@ def load_mapped_state(part: torch.nn.Module, state: dict[str, torch.Tensor]) -> 
     counted once in the machine's memory, where a copy made each process hold its own (the 27M
     bench model's language model: 90 MiB in prefill and 90 in decode; docs/benchmarks.md, "Where
     the peak PSS goes"). A tensor of another dtype is cast, as `from_pretrained(dtype=...)` casts
-    it (a copy, as before); the parameters' dtypes are the part's (`apply_keep_in_fp32_plan`)."""
+    it (a copy, as before); the parameters' dtypes are the part's (`apply_keep_in_fp32_plan`).
+
+    Assigning gives each name a parameter of its own: parameters the part shares under two names
+    (a head tied to the embeddings) are shared again after, and a tensor under two names is cast
+    once, so a tied embedding is never held twice (nor copied twice by a later `.to(device)`)."""
     own = part.state_dict(keep_vars=True)
-    state = {k: v.to(own[k].dtype) if k in own else v for k, v in state.items()}
-    result = part.load_state_dict(state, strict=False, assign=True)
+    cast: dict[int, torch.Tensor] = {}
+    for key, tensor in state.items():
+        if key in own and id(tensor) not in cast:
+            cast[id(tensor)] = tensor.to(own[key].dtype)
+    shared: dict[int, list[str]] = {}
+    for name, param in part.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(param), []).append(name)
+    result = part.load_state_dict(
+        {k: cast.get(id(v), v) for k, v in state.items()}, strict=False, assign=True
+    )
+    for first, *others in (names for names in shared.values() if len(names) > 1):
+        for name in others:
+            module, _, attribute = name.rpartition(".")
+            setattr(part.get_submodule(module), attribute, part.get_parameter(first))
     return list(result.missing_keys), list(result.unexpected_keys)
 
 

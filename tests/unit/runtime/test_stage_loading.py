@@ -124,3 +124,32 @@ def test_a_stage_keeps_its_weights_in_the_checkpoints_mapped_file(tiny_models, w
         assert weights and all(w.dtype == torch.float32 for w in weights.values())
         in_memory = [n for n, w in weights.items() if not _file_mapped(w, files)]
         assert not in_memory, f"{len(in_memory)} of {len(weights)} weights copied, e.g. {in_memory[:3]}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_tied_head_stays_the_embeddings_parameter(tiny_models, tmp_path, dtype):
+    """A checkpoint that ties the head to the embeddings and stores no lm_head: the head is the
+    embeddings' own parameter after the load, in the checkpoint's dtype (kept as mapped) or cast
+    (once): not a second copy of the vocabulary's matrix."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source = tiny_models["qwen2_vl"]
+    shutil.copytree(source, tmp_path / "tied")
+    config = json.loads((tmp_path / "tied" / "config.json").read_text())
+    config["tie_word_embeddings"] = config["text_config"]["tie_word_embeddings"] = True
+    (tmp_path / "tied" / "config.json").write_text(json.dumps(config))
+    state = load_file(str(source / "model.safetensors"))
+    save_file(
+        {k: v for k, v in state.items() if k != "lm_head.weight"},
+        str(tmp_path / "tied" / "model.safetensors"),
+    )
+
+    model = Qwen2VLAdapter(str(tmp_path / "tied"), ModelConfig(dtype=dtype), {"language"}).model
+    embeddings = model.model.language_model.embed_tokens.weight
+    assert model.lm_head.weight is embeddings
+    assert embeddings.dtype == getattr(torch, dtype)
+    embed_key = next(k for k in state if k.endswith("embed_tokens.weight"))
+    assert torch.equal(embeddings, state[embed_key].to(embeddings.dtype))
