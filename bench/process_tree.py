@@ -2,7 +2,10 @@
 PSS summed over the processes (`tree_pss`, sampled for its peak by `PeakPss`), how many map
 tcmalloc, CPU seconds by role (`tree_cpu_s`; `cpu_by_role` of two snapshots), and where the PSS
 is, per process and kind (`tree_memory`: anonymous, file-backed, shared memory, from
-/proc/PID/smaps_rollup; `PeakPss` keeps the one of its peak sample)."""
+/proc/PID/smaps_rollup; `PeakPss` keeps the one of its peak sample), and the tree's PSS as if
+nothing outside it mapped its pages (`tree_pss_alone`: on a busy machine, other processes that
+map the same library files take their share of those pages' PSS, so `tree_pss` reads lower than
+the same tree on a quiet one)."""
 
 from __future__ import annotations
 
@@ -172,3 +175,50 @@ class PeakPss:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def tree_pss_alone(pid: int) -> dict[str, float] | None:
+    """MiB per process of the tree (`role (pid)`) and "total": each resident page divided among the
+    tree's processes that map it, none outside; what `tree_pss` reads when nothing else maps those
+    pages (a quiet machine). From /proc/PID/pagemap's page frame numbers, which only root reads
+    (None otherwise). ~0.1 s of CPU per process: not for the load's peak sampler."""
+    import numpy as np
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return None
+    frames: dict[str, np.ndarray] = {}
+    for p in procs:
+        try:
+            frames[f"{role_of(p.cmdline())} ({p.pid})"] = _resident_frames(p.pid)
+        except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
+            continue
+        except PermissionError:
+            return None
+    if not frames or not any(f.any() for f in frames.values()):
+        return None  # not root: pagemap reads the frame numbers as 0
+    every, counts = np.unique(np.concatenate(list(frames.values())), return_counts=True)
+    out = {key: float((4096.0 / counts[np.searchsorted(every, f)]).sum()) / MiB for key, f in frames.items()}
+    out["total"] = sum(out.values())
+    return out
+
+
+def _resident_frames(pid: int):
+    """The page frame numbers of the process's resident pages (/proc/PID/maps, /proc/PID/pagemap)."""
+    import numpy as np
+
+    present, pfn_mask = np.uint64(1 << 63), np.uint64((1 << 55) - 1)
+    out = []
+    with open(f"/proc/{pid}/pagemap", "rb") as pagemap:
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            span, *rest = line.split(maxsplit=5)
+            if rest[-1:] == ["[vsyscall]"]:
+                continue
+            start, end = (int(x, 16) for x in span.split("-"))
+            pagemap.seek(start // 4096 * 8)
+            entries = np.frombuffer(pagemap.read((end - start) // 4096 * 8), dtype=np.uint64)
+            out.append(entries[(entries & present) != 0] & pfn_mask)
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.uint64)
