@@ -291,21 +291,14 @@ def clean_file_mappings(smaps: str) -> list[tuple[int, int]]:
     ]
 
 
-def drop_clean_file_pages() -> int:
+def drop_clean_file_pages() -> None:
     """Drop this process's page-table entries of its clean read-only file mappings
-    (`clean_file_mappings`); the bytes they held (RSS). For a process that runs little of what it
-    mapped (the zygote: its fork loop; numpy's OpenBLAS may have started an idle thread)."""
-    smaps = Path("/proc/self/smaps").read_text()
-    rss = _rss_bytes(smaps)
+    (`clean_file_mappings`). For a process that runs little of what it mapped (the zygote: its
+    fork loop; numpy's OpenBLAS may have started an idle thread)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    for start, length in clean_file_mappings(smaps):
+    for start, length in clean_file_mappings(Path("/proc/self/smaps").read_text()):
         libc.madvise(start, length, _MADV_DONTNEED)  # a mapping it refuses (locked) keeps its pages
-    return rss - _rss_bytes(Path("/proc/self/smaps").read_text())
-
-
-def _rss_bytes(smaps: str) -> int:
-    return 1024 * sum(fields.get("Rss", 0) for *_, fields in smaps_mappings(smaps))
 
 
 def _fork_server() -> Any:
