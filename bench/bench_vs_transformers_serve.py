@@ -75,9 +75,12 @@ from epd.bench.process_tree import (  # noqa: E402
     MiB,
     PeakPss,
     cpu_by_role,
+    memory_lines,
     tree_cpu_s,
+    tree_memory,
     tree_on_tcmalloc,
     tree_pss,
+    tree_pss_alone,
 )
 from epd.bench.serve import parse_levels  # noqa: E402
 from epd.bench.serve_report import sweep_table, write_plot  # noqa: E402
@@ -290,7 +293,10 @@ def run_server(name: str, model: Path, clips: list[Path], args) -> dict:
         time.sleep(2.0)
         out["pss_idle"], out["num_processes"] = tree_pss(proc.pid)
         out["num_on_tcmalloc"] = tree_on_tcmalloc(proc.pid)
+        out["memory_idle"] = tree_memory(proc.pid)
+        out["pss_alone_idle"] = tree_pss_alone(proc.pid)
         log(f"{name}: idle PSS {out['pss_idle'] / MiB:.0f} MiB over {out['num_processes']} processes")
+        log("\n".join(["idle, by process (MiB):", *memory_lines(out["memory_idle"])]))
         with PeakPss(proc.pid) as peak:
             for c, level_clips in zip(args.concurrency, per_level, strict=True):
                 t0 = time.perf_counter()
@@ -315,11 +321,19 @@ def run_server(name: str, model: Path, clips: list[Path], args) -> dict:
                     f"TTFT p50 {s['ttft_ms']['p50']:.0f} ms, TPOT p50 {s['tpot_ms']['p50']:.1f} ms"
                     + (f"; errors: {s['errors'][:2]}" if s["errors"] else "")
                 )
-        out["pss_peak"] = peak.peak
+        out["pss_peak"], out["memory_peak"] = peak.peak, peak.at_peak
         out["pss_after"], _ = tree_pss(proc.pid)
+        out["memory_after"] = tree_memory(proc.pid)
+        out["pss_alone_after"] = tree_pss_alone(proc.pid)
         log(
             f"{name}: PSS after the load {out['pss_after'] / MiB:.0f} MiB (peak {out['pss_peak'] / MiB:.0f} MiB)"
         )
+        for when in ("peak", "after"):
+            log("\n".join([f"{when}, by process (MiB):", *memory_lines(out[f"memory_{when}"])]))
+        for when in ("idle", "after"):
+            if (alone := out[f"pss_alone_{when}"]) is not None:
+                parts = ", ".join(f"{k} {v:.0f}" for k, v in alone.items() if k != "total")
+                log(f"{name}: PSS {when} as if alone on the machine {alone['total']:.0f} MiB ({parts})")
     finally:
         stop(proc)
     return out

@@ -29,6 +29,7 @@ import importlib.util
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -78,6 +79,8 @@ _COMMON_PRELOAD = (
     "epd.decode_svc.config",
     "epd.gateway.config",
 )
+_TRIM = "epd.cli.zygote_trim"
+"""Imported by the zygote after every preload (`Zygote`): see its docstring."""
 # transformers' per-family files that loading a checkpoint of that model_type imports (those the
 # installed transformers has).
 _FAMILY_FILES = (
@@ -153,7 +156,8 @@ class Zygote:
 
     def __init__(self, preload: list[str]) -> None:
         self._context: ForkServerContext = multiprocessing.get_context("forkserver")  # type: ignore[assignment]
-        self._context.set_forkserver_preload(preload)
+        # Last, after every import: the zygote unmaps the file pages they touched (zygote_trim.py).
+        self._context.set_forkserver_preload([*preload, _TRIM])
 
     def start(
         self, name: str, argv: list[str], env: dict[str, str], log_path: str | None = None
@@ -246,6 +250,55 @@ def _run_service(argv: list[str], env: dict[str, str], log_path: str | None) -> 
     from epd.cli.main import main
 
     raise SystemExit(main(argv))
+
+
+_MADV_DONTNEED = 4
+_VMA_START = re.compile(r"\n(?=[0-9a-f]+-[0-9a-f]+ )")  # each mapping's block of /proc/PID/smaps
+
+
+def smaps_mappings(smaps: str) -> list[tuple[int, int, str, str, dict[str, int]]]:
+    """(start, end, permissions, path, {field: kB}) of each mapping in `smaps` (the text of
+    /proc/PID/smaps); path "" for an anonymous one."""
+    out = []
+    for block in _VMA_START.split(smaps.strip()):
+        header, *lines = block.splitlines()
+        span, perms, *rest = header.split(maxsplit=5)
+        start, end = (int(x, 16) for x in span.split("-"))
+        fields = {
+            key: int(value.split()[0])
+            for key, _, value in (line.partition(":") for line in lines)
+            if value.endswith("kB")
+        }
+        out.append((start, end, perms, rest[3] if len(rest) > 3 else "", fields))
+    return out
+
+
+def clean_file_mappings(smaps: str) -> list[tuple[int, int]]:
+    """(start, length) of each read-only private mapping of a regular file in `smaps` with resident
+    pages and no anonymous (copy-on-write) one: those a MADV_DONTNEED leaves reading as they did.
+    Read-only, because no thread can write there between the read of smaps and the madvise (a
+    written page of a writable one would be lost); special files (/dev/...) and anonymous mappings
+    ([heap], [stack], ...) are never listed."""
+    return [
+        (start, end - start)
+        for start, end, perms, path, fields in smaps_mappings(smaps)
+        if perms[1] == "-"
+        and perms[3] == "p"
+        and path.startswith("/")
+        and not path.startswith("/dev/")
+        and fields.get("Rss", 0) > 0
+        and fields.get("Anonymous", 0) == 0
+    ]
+
+
+def drop_clean_file_pages() -> None:
+    """Drop this process's page-table entries of its clean read-only file mappings
+    (`clean_file_mappings`). For a process that runs little of what it mapped (the zygote: its
+    fork loop; numpy's OpenBLAS may have started an idle thread)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    for start, length in clean_file_mappings(Path("/proc/self/smaps").read_text()):
+        libc.madvise(start, length, _MADV_DONTNEED)  # a mapping it refuses (locked) keeps its pages
 
 
 def _fork_server() -> Any:

@@ -11,10 +11,17 @@ import importlib
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
-from epd.cli.zygote import ServiceProcess, _no_main_for_the_child, preload_modules
+from epd.cli.zygote import (
+    ServiceProcess,
+    _no_main_for_the_child,
+    clean_file_mappings,
+    preload_modules,
+    smaps_mappings,
+)
 from epd.model_runtime.loader import _FAMILIES, family_module
 from tests.stack import ROOT, child_env
 
@@ -102,3 +109,72 @@ def test_starts_from_two_threads_put_the_real_main_back():
     finally:
         first_done.set()
         sys.modules["__main__"] = real
+
+
+def test_the_zygote_keeps_no_file_page_of_its_imports():
+    """Importing torch faults in ~300 MiB of shared-library pages that the forked services never
+    inherit (no page-table entries are copied for a clean file mapping) and mostly never touch:
+    mapped by the zygote alone, they were all in the stack's PSS. The zygote drops them after its
+    imports (epd/cli/zygote_trim.py); what it touches afterwards (its fork loop) is a few MiB."""
+    code = (
+        "import os, sys\n"
+        "from epd.cli.zygote import Zygote, _fork_server\n"
+        "z = Zygote(['torch'])\n"
+        "z.start('probe', ['--help'], dict(os.environ), os.devnull).wait(120)\n"  # the zygote imported torch
+        "print(_fork_server()._forkserver_pid)\n"
+        "sys.stdin.readline()\n"  # the zygote lives until this process ends
+    )
+    env = child_env()
+    env.pop("OMP_NUM_THREADS")  # as `epd serve --num-threads auto`: numpy's OpenBLAS starts a thread
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        smaps = Path(f"/proc/{int(proc.stdout.readline())}/smaps").read_text()
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert "libtorch_cpu.so" in smaps  # torch is imported, its libraries mapped
+    file_rss = 1024 * sum(
+        fields.get("Rss", 0) - fields.get("Anonymous", 0)
+        for *_, path, fields in smaps_mappings(smaps)
+        if path.startswith("/")
+    )
+    assert file_rss < 32 << 20, f"the zygote keeps {file_rss >> 20} MiB of file pages"
+
+
+def test_only_clean_private_file_mappings_are_dropped():
+    """A mapping with a private (copy-on-write) page would get the file's bytes back over it; a
+    writable one could get one from another thread (numpy's OpenBLAS starts one at import)."""
+    smaps = "\n".join(
+        [
+            "7f0000000000-7f0000002000 r-xp 00000000 08:01 11 /usr/lib/libclean.so",
+            "Rss:                   8 kB",
+            "Anonymous:             0 kB",
+            "7f0000002000-7f0000003000 r--p 00002000 08:01 11 /usr/lib/libclean.so",
+            "Rss:                   4 kB",
+            "Anonymous:             4 kB",
+            "7f0000003000-7f0000004000 r--p 00000000 08:01 12 /usr/lib/libcold.so",
+            "Rss:                   0 kB",
+            "Anonymous:             0 kB",
+            "7f0000004000-7f0000005000 rw-s 00000000 00:05 13 /dev/shm/board",
+            "Rss:                   4 kB",
+            "Anonymous:             0 kB",
+            "7f0000005000-7f0000006000 rw-p 00000000 00:00 0 ",
+            "Rss:                   4 kB",
+            "Anonymous:             4 kB",
+            "7f0000006000-7f0000007000 rw-p 00000000 08:01 15 /usr/lib/libdata.so",
+            "Rss:                   4 kB",
+            "Anonymous:             0 kB",
+            "7f0000007000-7f0000009000 r--p 00000000 08:01 14 /usr/lib/liblast.so",
+            "Rss:                   8 kB",
+            "Anonymous:             0 kB",
+        ]
+    )
+    assert clean_file_mappings(smaps) == [(0x7F0000000000, 0x2000), (0x7F0000007000, 0x2000)]

@@ -95,3 +95,61 @@ def test_hidden_transformers_bars_leave_a_whole_model_load_silent(tiny_models, c
     finally:
         transformers_logging.set_tqdm_hook(None)
     assert "Loading weights" not in capfd.readouterr().err
+
+
+def _file_mapped(tensor: torch.Tensor, files: list[str]) -> bool:
+    """Whether `tensor`'s bytes lie in this process's mapping of one of `files`."""
+    address = tensor.data_ptr()
+    for line in open("/proc/self/maps").read().splitlines():
+        span, *rest = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= address < end:
+            return len(rest) == 5 and rest[4] in files
+    return False
+
+
+@pytest.mark.parametrize("which", ["shipped (hub keys)", "qwen2_vl (v5 keys)"])
+def test_a_stage_keeps_its_weights_in_the_checkpoints_mapped_file(tiny_models, which):
+    """Prefill and decode (and every replica of a stage) read the same checkpoint: its tensors kept
+    as the parameters are the file's pages, shared by those processes, where a copy in each made
+    every process hold the language model's weights on its own (docs/benchmarks.md, "Where the
+    peak PSS goes")."""
+    path = _checkpoints(tiny_models)[which]
+    root, names = safetensors_files(path)
+    files = [str((root / n).resolve()) for n in names]
+    language = Qwen2VLAdapter(path, ModelConfig(), {"language"})
+    vision = Qwen2VLAdapter(path, ModelConfig(), {"vision"})
+    for part in (language.model, vision.visual):
+        weights = dict(part.named_parameters())
+        assert weights and all(w.dtype == torch.float32 for w in weights.values())
+        in_memory = [n for n, w in weights.items() if not _file_mapped(w, files)]
+        assert not in_memory, f"{len(in_memory)} of {len(weights)} weights copied, e.g. {in_memory[:3]}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_tied_head_stays_the_embeddings_parameter(tiny_models, tmp_path, dtype):
+    """A checkpoint that ties the head to the embeddings and stores no lm_head: the head is the
+    embeddings' own parameter after the load, in the checkpoint's dtype (kept as mapped) or cast
+    (once): not a second copy of the vocabulary's matrix."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source = tiny_models["qwen2_vl"]
+    shutil.copytree(source, tmp_path / "tied")
+    config = json.loads((tmp_path / "tied" / "config.json").read_text())
+    config["tie_word_embeddings"] = config["text_config"]["tie_word_embeddings"] = True
+    (tmp_path / "tied" / "config.json").write_text(json.dumps(config))
+    state = load_file(str(source / "model.safetensors"))
+    save_file(
+        {k: v for k, v in state.items() if k != "lm_head.weight"},
+        str(tmp_path / "tied" / "model.safetensors"),
+    )
+
+    model = Qwen2VLAdapter(str(tmp_path / "tied"), ModelConfig(dtype=dtype), {"language"}).model
+    embeddings = model.model.language_model.embed_tokens.weight
+    assert model.lm_head.weight is embeddings
+    assert embeddings.dtype == getattr(torch, dtype)
+    embed_key = next(k for k in state if k.endswith("embed_tokens.weight"))
+    assert torch.equal(embeddings, state[embed_key].to(embeddings.dtype))
