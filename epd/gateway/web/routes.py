@@ -46,7 +46,6 @@ from epd.gateway.web.demo_decodes import DemoDecodes
 from epd.model_runtime.sampling import GenerationConfig
 from epd.resources import shipped
 from epd.stages.errors import InvalidRequest
-from epd.video.simple_decoder import decode
 from epd.video.types import DecodeCancelled, DecodeLimits, SamplingOptions
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -164,7 +163,11 @@ def sampled_thumbnails(
 ) -> dict[str, Any]:
     """{"frames": [{"timestamp_s", "jpeg_base64"}], "width", "height"} of the sampled frames;
     DecodeCancelled soon after `cancel` is set."""
+    # Imported here, as PIL: the demo's thumbnails are the gateway's only use of numpy and the
+    # decoder, and a gateway that never shows them should not hold them (~15 MB RSS per process).
     from PIL import Image
+
+    from epd.video.simple_decoder import decode
 
     # Decode straight to about twice the thumbnail size (same frames, same aspect): a repeated
     # frame is copied into each of the T slots, so full-size frames would cost T x H x W x 3.

@@ -1,4 +1,6 @@
-"""The gateway process starts without torch or transformers (issue #22 item 3: a short start-up).
+"""The gateway process starts without torch or transformers (issue #22 item 3: a short start-up),
+nor numpy (~15 MB RSS in a process that holds no tensor; the web demo's thumbnails import it when
+they are asked for).
 
 Each check imports in a fresh interpreter (tests/import_log.py), so what this test session already
 loaded does not hide an import; `-X importtime` names the module that pulled a forbidden one in."""
@@ -12,7 +14,7 @@ import pytest
 
 from tests.import_log import imported_packages, who_imported
 
-FORBIDDEN = ("torch", "transformers")
+FORBIDDEN = ("torch", "transformers", "numpy")
 
 
 @pytest.mark.parametrize(
@@ -22,7 +24,7 @@ FORBIDDEN = ("torch", "transformers")
         "epd.gateway.http_api",  # the HTTP API that `epd serve gateway --http-port` adds
     ],
 )
-def test_gateway_imports_neither_torch_nor_transformers(module):
+def test_gateway_imports_neither_torch_nor_transformers_nor_numpy(module):
     loaded, log = imported_packages(f"import {module}")
     assert "epd" in loaded and "grpc" in loaded, "the check must see the real import"
     for name in FORBIDDEN:
