@@ -175,46 +175,14 @@ def load_vision_part(
     with no_init_weights(), local_torch_dtype(dtype):
         part = build()
     apply_keep_in_fp32_plan(part, dtype)
-    missing, unexpected = load_mapped_state(part, read_part(root, files, rename))
+    # load_state_dict copies into the parameters, in their dtypes (as from_pretrained casts a
+    # checkpoint tensor to its parameter's dtype)
+    missing, unexpected = part.load_state_dict(read_part(root, files, rename), strict=False)
     if missing or unexpected:
         raise ValueError(
             f"checkpoint {path} does not match the {what}: missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
     return part.eval()
-
-
-def load_mapped_state(part: torch.nn.Module, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
-    """`part.load_state_dict(state, strict=False)` (its missing and unexpected keys) that keeps a
-    checkpoint tensor that has its parameter's dtype as that parameter, not a copy of it.
-
-    `read_part`'s tensors are views of the safetensors file mapped by safetensors (copy on write:
-    a write would make a private copy of the page, the file never changes). Kept as they are, a
-    part's weights are the file's pages in the page cache, shared by every process that maps the
-    checkpoint (prefill and decode the language model's, every replica of a stage its part) and
-    counted once in the machine's memory, where a copy made each process hold its own (the 27M
-    bench model's language model: 90 MiB in prefill and 90 in decode; docs/benchmarks.md, "Where
-    the peak PSS goes"). A tensor of another dtype is cast, as `from_pretrained(dtype=...)` casts
-    it (a copy, as before); the parameters' dtypes are the part's (`apply_keep_in_fp32_plan`).
-
-    Assigning gives each name a parameter of its own: parameters the part shares under two names
-    (a head tied to the embeddings) are shared again after, and a tensor under two names is cast
-    once, so a tied embedding is never held twice (nor copied twice by a later `.to(device)`)."""
-    own = part.state_dict(keep_vars=True)
-    cast: dict[int, torch.Tensor] = {}
-    for key, tensor in state.items():
-        if key in own and id(tensor) not in cast:
-            cast[id(tensor)] = tensor.to(own[key].dtype)
-    shared: dict[int, list[str]] = {}
-    for name, param in part.named_parameters(remove_duplicate=False):
-        shared.setdefault(id(param), []).append(name)
-    result = part.load_state_dict(
-        {k: cast.get(id(v), v) for k, v in state.items()}, strict=False, assign=True
-    )
-    for first, *others in (names for names in shared.values() if len(names) > 1):
-        for name in others:
-            module, _, attribute = name.rpartition(".")
-            setattr(part.get_submodule(module), attribute, part.get_parameter(first))
-    return list(result.missing_keys), list(result.unexpected_keys)
 
 
 def apply_keep_in_fp32_plan(part: torch.nn.Module, dtype: torch.dtype) -> list[str]:
@@ -266,7 +234,7 @@ def load_language_state(model: LanguageOnly, state: dict[str, torch.Tensor], hf_
     if "lm_head.weight" not in state and tied:
         model.lm_head.weight = lm.embed_tokens.weight
         state["lm_head.weight"] = state["model.language_model.embed_tokens.weight"]
-    missing, unexpected = load_mapped_state(model, state)
+    missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(
             f"checkpoint {path} does not match the language model: missing {missing[:3]}, "
