@@ -44,9 +44,9 @@ class RestartPolicy:
     """A replica that served and then gets no answer to its health checks for this long is killed."""
     start_timeout_s: float = 600.0
     """`--start-timeout`. At the stack's start-up, every service must be SERVING within this long
-    (else the stack stops). A restarted replica that is not SERVING within this long (loading its model) is killed,
-    counted from its start: the time before it binds its port (one moved to a free port, whose
-    health is not asked until then) is part of it."""
+    (else the stack stops). A restarted replica that is not SERVING within this long (loading its
+    model) is killed, counted from its start: the time before it binds its port (one moved to a
+    free port, whose health is not asked until then) is part of it."""
 
     def __post_init__(self) -> None:
         if not (0 < self.backoff_initial_s <= self.backoff_max_s):

@@ -14,8 +14,8 @@ server runs no thread of its own when it forks (torch starts its OpenMP threads 
 parallel op, not at import), so no child inherits a lock held by a thread that does not exist in
 it: that is what makes forking after importing torch safe. The one exception is numpy's OpenBLAS,
 which starts idle worker threads at import when OMP_NUM_THREADS is unset; it shuts them down
-around a fork itself (its pthread_atfork handlers), so a child starts its own. gRPC is not imported before the fork
-(it is not fork-safe once initialised).
+around a fork itself (its pthread_atfork handlers), so a child starts its own. gRPC is not
+imported before the fork (it is not fork-safe once initialised).
 
 Lifetimes: the launcher owns the fork server (it ends when the launcher's end of its pipe
 closes), and each service gets SIGTERM when the fork server ends (PR_SET_PDEATHSIG), so killing
