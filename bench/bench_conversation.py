@@ -64,6 +64,7 @@ from bench.common import (  # noqa: E402
     data_url,
     log,
     make_clips,
+    run_bench,
     server_command,
     stop,
     user,
@@ -288,4 +289,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_bench(main)

@@ -38,7 +38,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import bound_ports, build_model, log, make_clips, server_command, stop, wait_ready  # noqa: E402
+from bench.common import (  # noqa: E402
+    bound_ports,
+    build_model,
+    log,
+    make_clips,
+    run_bench,
+    server_command,
+    stop,
+    wait_ready,
+)
 
 SEED = 1130
 GROUPS = ("n choices", "n cold", "n shared")
@@ -170,4 +179,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_bench(main)

@@ -40,6 +40,7 @@ from bench.common import (  # noqa: E402
     data_url,
     log,
     make_clips,
+    run_bench,
     server_command,
     stop,
     user,
@@ -155,4 +156,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_bench(main)

@@ -44,7 +44,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import bound_ports, build_model, log, make_clips, stop  # noqa: E402
+from bench.common import bound_ports, build_model, log, make_clips, run_bench, stop  # noqa: E402
 
 ROUTINGS = ("affinity", "round-robin")
 
@@ -229,4 +229,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_bench(main)

@@ -44,7 +44,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import epd_port_flags, stop, takes_ports_file  # noqa: E402
+from bench.common import epd_port_flags, run_bench, stop, takes_ports_file  # noqa: E402
 from epd.resources import demo_model_dir, shipped  # noqa: E402
 from epd.transport.ports_file import free_port  # noqa: E402
 
@@ -251,4 +251,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_bench(main)

@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import build_model, log, make_clips, stop  # noqa: E402
+from bench.common import build_model, log, make_clips, run_bench, stop  # noqa: E402
 from epd.client import EpdClient, TokenDelta  # noqa: E402
 
 QUESTION = "what happens in this video?"
@@ -177,4 +177,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_bench(main)

@@ -38,7 +38,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import build_model, epd_port_flags, log, make_clips, stop  # noqa: E402
+from bench.common import build_model, epd_port_flags, log, make_clips, run_bench, stop  # noqa: E402
 from bench.sse import async_stream_chunks  # noqa: E402
 
 
@@ -135,4 +135,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_bench(main)

@@ -68,6 +68,7 @@ from epd.bench.common import (  # noqa: E402
     epd_port_flags,
     log,
     make_clips,
+    run_bench,
     stop,
 )
 from epd.bench.openai_load import OpenAITarget, openai_bodies, run_openai  # noqa: E402
@@ -469,4 +470,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_bench(main)

@@ -20,8 +20,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 from epd.bench.sse import stream_chunks
 
@@ -61,6 +63,20 @@ def bound_ports(ports_file: Path, proc: subprocess.Popen, timeout_s: float, log_
             raise SystemExit(f"epd serve did not bind its ports (exit {proc.poll()}); log:\n{tail}")
         time.sleep(0.1)
     return json.loads(ports_file.read_text())
+
+
+def run_bench(main: Callable[[], int | None]) -> NoReturn:
+    """A bench script's `__main__`: `main()`, its result the exit code, with SIGTERM raising
+    SystemExit so the bench's `finally: stop(proc)` still stops the servers it started. They run in
+    a session of their own (`start_new_session`, so `stop` can end each one's process group), and so
+    get none of the bench's signals: a bench ended by SIGTERM's default (`timeout`, a process
+    manager, a tool's kill) left them running, stacks of 7 processes each."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    raise SystemExit(main())
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> NoReturn:
+    raise SystemExit(128 + signum)
 
 
 def stop(proc: subprocess.Popen) -> None:
