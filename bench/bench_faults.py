@@ -52,7 +52,7 @@ sys.path.insert(0, str(REPO))
 import grpc  # noqa: E402
 import psutil  # noqa: E402
 
-from bench.common import build_model, log, make_clips  # noqa: E402
+from bench.common import build_model, log, make_clips, run_bench  # noqa: E402
 from epd.client import AsyncEpdClient, EpdError, TokenDelta  # noqa: E402
 from epd.client.retry import NO_RETRY, RetryPolicy  # noqa: E402
 from epd.transport.affinity import rendezvous_order  # noqa: E402
@@ -401,4 +401,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_bench(main)

@@ -57,7 +57,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import takes_ports_file  # noqa: E402
+from bench.common import run_bench, takes_ports_file  # noqa: E402
 from epd.transport.ports_file import free_port  # noqa: E402
 
 QWEN2_NUM_MERGES = 151_387  # Qwen2's tokenizer.json: 256 byte symbols + 151,387 merges = 151,643 tokens
@@ -395,4 +395,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_bench(main)
