@@ -67,10 +67,10 @@ def bound_ports(ports_file: Path, proc: subprocess.Popen, timeout_s: float, log_
 
 def run_bench(main: Callable[[], int | None]) -> NoReturn:
     """A bench script's `__main__`: `main()`, its result the exit code, with SIGTERM raising
-    SystemExit so the bench's `finally: stop(proc)` still stops the servers it started. They run in
-    a session of their own (`start_new_session`, so `stop` can end each one's process group), and so
-    get none of the bench's signals: a bench ended by SIGTERM's default (`timeout`, a process
-    manager, a tool's kill) left them running, stacks of 7 processes each."""
+    SystemExit so the bench's `finally` still stops the servers it started. Most run in a session
+    or process group of their own (`start_new_session`, so that `stop` ends each one's group) and
+    get none of the signals sent to the bench: a bench ended by SIGTERM's default (`timeout`, a
+    process manager, a tool's kill) left them running, stacks of 7 processes each."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     raise SystemExit(main())
 
