@@ -127,13 +127,15 @@ async def refresh_routing_loads(pools: Mapping[str, ReplicaPool], timeout_s: flo
         (pool, address) for pool in pools.values() for address in pool.addresses if not unresolved(address)
     ]
 
-    async def read(pool: ReplicaPool, address: str) -> int | None:
+    async def read(channel: grpc.aio.Channel, address: str) -> int | None:
         loads = await answer_or_none(
-            fetch_loads(pool.channel(address), timeout_s), timeout_s, f"no load for routing from {address}"
+            fetch_loads(channel, timeout_s), timeout_s, f"no load for routing from {address}"
         )
         return None if loads is None else queued(loads)
 
-    answers = await asyncio.gather(*(read(pool, address) for pool, address in targets))
+    # Each channel taken now, with the list (as refresh_model_info): a replica removed before its
+    # read starts gets an answer of none, not a KeyError that ends the watch.
+    answers = await asyncio.gather(*(read(pool.channel(address), address) for pool, address in targets))
     for (pool, address), load in zip(targets, answers):
         pool.chooser.set_load(address, load)
 

@@ -24,6 +24,8 @@ import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 
+import grpc
+
 from epd.stages.model_info import ModelInfo, common_model_info
 from epd.transport.aio_cancel import answer_or_none
 from epd.transport.model_info import fetch_model_info
@@ -98,14 +100,15 @@ async def refresh_model_info(
     pool = stage.pool
     addresses = [a for a in pool.addresses if not unresolved(a)]  # a dns:/// name gets no call until found
 
-    async def read(address: str) -> ModelInfo | None:
+    async def read(channel: grpc.aio.Channel, address: str) -> ModelInfo | None:
         return await answer_or_none(
-            fetch_model_info(pool.channel(address), timeout_s),
-            timeout_s,
-            f"no model info from prefill {address}",
+            fetch_model_info(channel, timeout_s), timeout_s, f"no model info from prefill {address}"
         )
 
-    answers = await asyncio.gather(*(read(address) for address in addresses))
+    # Each channel taken now, with the list: a replica removed before its read starts (the replica
+    # list reloaded, a name resolved again) has its read cancelled by its closing channel, an answer
+    # of none, where looking its channel up then raised KeyError and ended the watch.
+    answers = await asyncio.gather(*(read(pool.channel(address), address) for address in addresses))
     stage.known_model_info = known.update(addresses, dict(zip(addresses, answers)))
 
 

@@ -264,6 +264,27 @@ def test_the_defaults_are_announced_once_they_are_known_and_when_they_change(cap
     assert "prefill does not report its model's sampling defaults" in said[1]
 
 
+def test_a_replica_removed_before_its_model_info_read_starts_leaves_the_watch_running():
+    """The replica list changes between a refresh listing the replicas and its reads starting (a
+    reloaded replica file, a name resolved again): the removed one's read answers none. Looking
+    its channel up when the read started raised KeyError, which ended the gateway's watch: the
+    full suite's early-request test below waited its 30 s for model info no one read any more."""
+
+    async def scenario() -> ModelInfo | None:
+        pool = ReplicaPool([f"127.0.0.1:{free_port()}"])
+        stage = RemotePrefillStage(pool, 5.0)
+        try:
+            refresh = asyncio.ensure_future(refresh_model_info(stage, ReplicaModelInfo(), timeout_s=1.0))
+            await asyncio.sleep(0)  # the refresh has listed the replica; its read has not started
+            pool.set_addresses([f"127.0.0.1:{free_port()}"])
+            await asyncio.wait_for(refresh, 30)  # a deadline, not a timing assertion: it returns
+            return stage.known_model_info
+        finally:
+            await pool.close()
+
+    assert asyncio.run(scenario()) is None
+
+
 def test_an_early_request_waits_for_prefills_model_info_and_is_refused_when_none_comes(monkeypatch):
     """Under auto a request that comes before any prefill replica has answered waits for the
     gateway's reads (a real PrefillService that starts later), never resolved without the model's

@@ -19,6 +19,7 @@ from epd.gateway.readiness import StageHealth
 from epd.gateway.replica_list import ReplicaFileError, ReplicaListWatcher, ReplicaUpdater, parse_replicas
 from epd.gateway.server import stage_addresses
 from epd.stages.server_config import ServerConfig
+from epd.transport.ports_file import free_port
 from epd.transport.replica_pool import ReplicaPool
 from epd.transport.server import create_server
 
@@ -225,6 +226,24 @@ def test_a_replica_removed_while_its_check_or_load_read_is_in_flight_leaves_the_
     with silent_replica() as (address, accepted):
         stages_down, down = asyncio.run(scenario(address, accepted))
     assert stages_down == [] and down == [f"encoder {address}"]
+
+
+def test_a_replica_removed_before_its_load_read_starts_leaves_the_watch_running():
+    """As for the model info (test_model_info.py): a replica removed between the routing-load
+    refresh listing the replicas and its read starting answers none, not a KeyError that ended
+    the watch."""
+
+    async def scenario() -> None:
+        pool = ReplicaPool([f"127.0.0.1:{free_port()}"])
+        try:
+            loads = asyncio.ensure_future(refresh_routing_loads({"encoder": pool}, timeout_s=1.0))
+            await asyncio.sleep(0)  # the refresh has listed the replica; its read has not started
+            pool.set_addresses([f"127.0.0.1:{free_port()}"])
+            return await asyncio.wait_for(loads, 30)  # a deadline, not a timing assertion: it returns
+        finally:
+            await pool.close()
+
+    assert asyncio.run(scenario()) is None  # (it raised KeyError)
 
 
 def test_a_stop_as_a_sighup_lands_ends_the_watcher(tmp_path):
