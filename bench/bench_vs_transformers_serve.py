@@ -71,6 +71,7 @@ from epd.bench.common import (  # noqa: E402
     log,
     make_clips,
     run_bench,
+    start_server,
     stop,
 )
 from epd.bench.openai_load import OpenAITarget, openai_bodies, run_openai  # noqa: E402
@@ -274,9 +275,7 @@ def run_server(name: str, model: Path, clips: list[Path], args) -> dict:
     log_path = args.work / f"{name}.log"
     log(f"{name}: starting ({' '.join(cmd[:6])} ...; log {log_path})")
     with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        proc = start_server(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     started = time.perf_counter()
     try:
         if isinstance(where, Path):  # the stack names its ports once it is ready
