@@ -66,6 +66,7 @@ from bench.common import (  # noqa: E402
     make_clips,
     run_bench,
     server_command,
+    start_server,
     stop,
     user,
     wait_ready,
@@ -255,8 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     log_path = work / "server.log"
     log(f"starting {' '.join(cmd[3:5])} {'--colocate ' if args.colocate else ''}(log {log_path})")
     with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = start_server(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     results: list[dict[tuple[int, bool], Turn]] = []
     try:
         launched = time.perf_counter()  # the stack names its ports once it is ready: count the wait

@@ -52,7 +52,7 @@ sys.path.insert(0, str(REPO))
 import grpc  # noqa: E402
 import psutil  # noqa: E402
 
-from bench.common import build_model, log, make_clips, run_bench  # noqa: E402
+from bench.common import build_model, log, make_clips, run_bench, start_server  # noqa: E402
 from epd.client import AsyncEpdClient, EpdError, TokenDelta  # noqa: E402
 from epd.client.retry import NO_RETRY, RetryPolicy  # noqa: E402
 from epd.transport.affinity import rendezvous_order  # noqa: E402
@@ -133,8 +133,8 @@ def start_stack(model: Path, args, log_path: Path) -> Stack:
     if args.threads:
         env["OMP_NUM_THREADS"] = args.threads
     with open(log_path, "w") as stderr:
-        launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=REPO,
-                                    process_group=0)  # fmt: skip
+        launcher = start_server(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=REPO,
+                                process_group=0)  # fmt: skip
     ready = launcher.stdout.readline() if launcher.stdout else ""
     if "stack ready" not in ready:
         stop_stack(launcher)

@@ -47,6 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from epd.transport.aio_cancel import shield_grpc_batches  # noqa: E402
+from epd.transport.parent_death import die_with_parent  # noqa: E402
 
 CASES = ["read to end", "read", "call.cancel()", "upload", "upload then answer", "unary"]
 CONCURRENCY = 200
@@ -85,7 +86,9 @@ def raw(message: bytes) -> bytes:
     return message
 
 
-def serve(port_queue: mp.Queue) -> None:
+def serve(port_queue: mp.Queue, parent_pid: int) -> None:
+    die_with_parent(parent_pid, 1)  # a bench killed by SIGKILL (no `finally`, no daemon clean-up) ends it too
+
     async def hold() -> None:
         await asyncio.sleep(3600)
 
@@ -297,7 +300,7 @@ def main() -> None:
         f"load average {os.getloadavg()[0]:.1f}; {args.num_calls} calls a case"
     )
     port_queue: mp.Queue = mp.Queue()
-    server = mp.get_context("fork").Process(target=serve, args=(port_queue,), daemon=True)
+    server = mp.get_context("fork").Process(target=serve, args=(port_queue, os.getpid()), daemon=True)
     server.start()
     port = port_queue.get()
     try:

@@ -45,6 +45,7 @@ from bench.common import (  # noqa: E402
     make_clips,
     run_bench,
     server_command,
+    start_server,
     stop,
     wait_ready,
 )
@@ -135,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd, env = server_command(model, args, ports_file)
     log_path = work / "server.log"
     with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = start_server(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     walls: dict[str, list[float]] = {g: [] for g in GROUPS}
     moved: dict[str, dict] = {}
     equal = False

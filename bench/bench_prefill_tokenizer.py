@@ -57,7 +57,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import run_bench, takes_ports_file  # noqa: E402
+from bench.common import run_bench, start_server, takes_ports_file  # noqa: E402
 from epd.transport.ports_file import free_port  # noqa: E402
 
 QWEN2_NUM_MERGES = 151_387  # Qwen2's tokenizer.json: 256 byte symbols + 151,387 merges = 151,643 tokens
@@ -202,7 +202,7 @@ def prefill_once(root: Path, model: Path, num_rpcs: int, timeout_s: float) -> di
            "--num-threads", "1", "--insecure-no-internal-auth"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = start_server(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         address = f"127.0.0.1:{port}" if port else ""
         while True:

@@ -42,6 +42,7 @@ from bench.common import (  # noqa: E402
     make_clips,
     run_bench,
     server_command,
+    start_server,
     stop,
     user,
     wait_ready,
@@ -96,8 +97,7 @@ def serve(
     cmd, env = server_command(model, args, ports_file)
     log_path = args.work_dir / f"server-{policy}.log"
     with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = start_server(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     try:
         launched = time.perf_counter()  # the stack names its ports once it is ready: count the wait
         port = bound_ports(ports_file, proc, args.timeout_s, log_path)["http"]

@@ -44,7 +44,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import bound_ports, build_model, log, make_clips, run_bench, stop  # noqa: E402
+from bench.common import bound_ports, build_model, log, make_clips, run_bench, start_server, stop  # noqa: E402
 
 ROUTINGS = ("affinity", "round-robin")
 
@@ -82,9 +82,9 @@ def start_stack(model: Path, routing: str, args, log_dir: Path) -> tuple[list[su
         log_path, ports_file = log_dir / f"{routing}-{name}.log", log_dir / f"{routing}-{name}.ports.json"
         ports_file.unlink(missing_ok=True)
         with open(log_path, "w") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "epd.cli.main", *cmd, "--port", "0",
-                                     "--ports-file", str(ports_file)], cwd=REPO, env=env, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            proc = start_server([sys.executable, "-m", "epd.cli.main", *cmd, "--port", "0",
+                                 "--ports-file", str(ports_file)], cwd=REPO, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)  # fmt: skip
         procs.append(proc)
         return lambda: bound_ports(ports_file, proc, args.timeout_s, log_path)
 

@@ -44,7 +44,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import epd_port_flags, run_bench, stop, takes_ports_file  # noqa: E402
+from bench.common import epd_port_flags, run_bench, start_server, stop, takes_ports_file  # noqa: E402
 from epd.resources import demo_model_dir, shipped  # noqa: E402
 from epd.transport.ports_file import free_port  # noqa: E402
 
@@ -109,9 +109,7 @@ def run_server(
     cmd: list[str], url: Callable[[], str | None], body: bytes, timeout_s: float, cwd: Path, env: dict
 ) -> tuple[float, str]:
     t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+    proc = start_server(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         return first_answer(proc, url, body, timeout_s, t0)
     finally:

@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import build_model, log, make_clips, run_bench, stop  # noqa: E402
+from bench.common import build_model, log, make_clips, run_bench, start_server, stop  # noqa: E402
 from epd.client import EpdClient, TokenDelta  # noqa: E402
 
 QUESTION = "what happens in this video?"
@@ -64,7 +64,7 @@ def start_stack(model: Path, tls: dict[str, str] | None, log_path: Path) -> tupl
     env = {k: v for k, v in os.environ.items() if k not in ("EPD_API_KEY", "EPD_INTERNAL_SECRET")}
     env["PYTHONPATH"] = str(REPO)
     with open(log_path, "w") as err:
-        proc = subprocess.Popen(
+        proc = start_server(
             [
                 sys.executable,
                 "-m",
@@ -82,7 +82,6 @@ def start_stack(model: Path, tls: dict[str, str] | None, log_path: Path) -> tupl
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
-            start_new_session=True,
         )
     assert proc.stdout is not None
     line = proc.stdout.readline()

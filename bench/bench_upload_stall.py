@@ -38,7 +38,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import build_model, epd_port_flags, log, make_clips, run_bench, stop  # noqa: E402
+from bench.common import build_model, epd_port_flags, log, make_clips, run_bench, start_server, stop  # noqa: E402
 from bench.sse import async_stream_chunks  # noqa: E402
 
 
@@ -48,9 +48,8 @@ def start_stack(model: Path, log_path: Path) -> tuple[subprocess.Popen, int]:
     env = {k: v for k, v in os.environ.items() if k not in ("EPD_API_KEY", "EPD_INTERNAL_SECRET")}
     env["PYTHONPATH"] = str(REPO)
     with open(log_path, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "epd.cli.main", "serve", "--model", str(model), *flags],
-                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
-                                start_new_session=True)  # fmt: skip
+        proc = start_server([sys.executable, "-m", "epd.cli.main", "serve", "--model", str(model), *flags],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True)  # fmt: skip
     assert proc.stdout is not None
     if "stack ready" not in proc.stdout.readline():
         stop(proc)

@@ -25,7 +25,9 @@ What it does, in one run on one machine:
     the server's process tree (psutil `memory_full_info().pss`) at idle, then N requests at each
     --concurrency level (streaming /v1/chat/completions, greedy, the same bodies in the same order
     for every server; TTFT = first text chunk, TPOT = (end - first) / (tokens - 1) with the server's own
-    usage.completion_tokens), the PSS peak sampled every second during the load and the PSS after;
+    usage.completion_tokens), the PSS peak sampled every second during the load and the PSS after it,
+    settled (`settled`: read every 0.5 s until three reads agree within 1%, at most 5.5 s, so the
+    services' idle release, up to 1 s after their last request, has given their free memory back);
   * printed: each server's sweep table, the side-by-side with ratios epd / transformers (req/s and
     output tok/s: higher is better for epd; TTFT and TPOT: lower is better), the memory table, and
     the prompt tokens each server reported (the same input must make the same prompt).
@@ -69,6 +71,7 @@ from epd.bench.common import (  # noqa: E402
     log,
     make_clips,
     run_bench,
+    start_server,
     stop,
 )
 from epd.bench.openai_load import OpenAITarget, openai_bodies, run_openai  # noqa: E402
@@ -77,6 +80,7 @@ from epd.bench.process_tree import (  # noqa: E402
     PeakPss,
     cpu_by_role,
     memory_lines,
+    settled,
     tree_cpu_s,
     tree_memory,
     tree_on_tcmalloc,
@@ -271,9 +275,7 @@ def run_server(name: str, model: Path, clips: list[Path], args) -> dict:
     log_path = args.work / f"{name}.log"
     log(f"{name}: starting ({' '.join(cmd[:6])} ...; log {log_path})")
     with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        proc = start_server(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     started = time.perf_counter()
     try:
         if isinstance(where, Path):  # the stack names its ports once it is ready
@@ -323,11 +325,13 @@ def run_server(name: str, model: Path, clips: list[Path], args) -> dict:
                     + (f"; errors: {s['errors'][:2]}" if s["errors"] else "")
                 )
         out["pss_peak"], out["memory_peak"] = peak.peak, peak.at_peak
-        out["pss_after"], _ = tree_pss(proc.pid)
+        # once idle and released: read at once, it sat near the peak (the release comes up to 1 s later)
+        out["pss_after"], out["pss_after_settled"] = settled(lambda: tree_pss(proc.pid)[0])
         out["memory_after"] = tree_memory(proc.pid)
         out["pss_alone_after"] = tree_pss_alone(proc.pid)
         log(
-            f"{name}: PSS after the load {out['pss_after'] / MiB:.0f} MiB (peak {out['pss_peak'] / MiB:.0f} MiB)"
+            f"{name}: PSS after the load, settled {out['pss_after'] / MiB:.0f} MiB "
+            f"(peak {out['pss_peak'] / MiB:.0f} MiB)" + ("" if out["pss_after_settled"] else "; still moving")
         )
         for when in ("peak", "after"):
             log("\n".join([f"{when}, by process (MiB):", *memory_lines(out[f"memory_{when}"])]))

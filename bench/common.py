@@ -1,13 +1,15 @@
 """What the bench scripts share: a timestamped log line, the ports of an `epd serve` that binds
 port 0 (`epd_port_flags`, `bound_ports`; a server that cannot, an older revision's
 (`takes_ports_file`) or `transformers serve`, gets epd.transport.ports_file's `free_port`),
-stopping a server's process group (`stop`), bench/bench_pruning.py's 27M Qwen2-VL (`build_model`),
-synthetic clips (`make_clips`), and for an `epd serve` the bench starts itself: its command line
-(`server_command`), the wait until it serves (`wait_ready`) and one streaming chat request (`ask`,
-its messages from `user` and `data_url`, its answer a `Turn`).
+starting a server that dies with the bench (`start_server`), stopping a server's process group
+(`stop`), bench/bench_pruning.py's 27M Qwen2-VL (`build_model`), synthetic clips (`make_clips`),
+and for an `epd serve` the bench starts itself: its command line (`server_command`), the wait
+until it serves (`wait_ready`) and one streaming chat request (`ask`, its messages from `user` and
+`data_url`, its answer a `Turn`).
 
-Plain Python at import (no torch; of epd only the plain SSE reader, bench/sse.py): the load clients
-import it; what needs more imports it inside the function or runs in a child process."""
+Plain Python at import (no torch; of epd only the plain SSE reader, bench/sse.py, and
+epd/transport/parent_death.py): the load clients import it; what needs more imports it inside the
+function or runs in a child process."""
 
 from __future__ import annotations
 
@@ -19,13 +21,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from epd.bench.sse import stream_chunks
+from epd.transport.parent_death import die_with_parent, libc_prctl
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,12 +69,34 @@ def bound_ports(ports_file: Path, proc: subprocess.Popen, timeout_s: float, log_
     return json.loads(ports_file.read_text())
 
 
+def start_server(command: list[str], **popen: Any) -> subprocess.Popen:
+    """`subprocess.Popen(command, **popen)` for a server the bench starts: in a session of its own
+    unless `popen` names a process group (`process_group=0`), so that `stop` ends its group and a
+    Ctrl-C reaches the bench alone (whose `finally` stops it), and sent SIGTERM when the bench dies,
+    even by SIGKILL, which no handler of the bench sees (epd/transport/parent_death.py; `epd serve`
+    then stops its own services as on any SIGTERM). From the main thread only: the kernel sends the
+    signal when the *thread* that forked the child ends, so a server started from a worker thread
+    would be stopped with that thread."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(
+            "start_server: start servers from the main thread (the parent-death signal fires when "
+            "the thread that forked the server ends)"
+        )
+    if "process_group" not in popen:
+        popen.setdefault("start_new_session", True)
+    # between fork and exec: one libc call, looked up before the fork (the bench may run threads, and
+    # code run there in a threaded process can deadlock)
+    arm = functools.partial(die_with_parent, os.getpid(), 128 + signal.SIGTERM, libc_prctl())
+    return subprocess.Popen(command, preexec_fn=arm, **popen)
+
+
 def run_bench(main: Callable[[], int | None]) -> NoReturn:
     """A bench script's `__main__`: `main()`, its result the exit code, with SIGTERM raising
     SystemExit so the bench's `finally` still stops the servers it started. Most run in a session
     or process group of their own (`start_new_session`, so that `stop` ends each one's group) and
     get none of the signals sent to the bench: a bench ended by SIGTERM's default (`timeout`, a
-    process manager, a tool's kill) left them running, stacks of 7 processes each."""
+    process manager, a tool's kill) left them running, stacks of 7 processes each. A bench killed
+    by SIGKILL runs no `finally`: its servers get SIGTERM from the kernel (`start_server`)."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     raise SystemExit(main())
 

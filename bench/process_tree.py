@@ -5,11 +5,14 @@ is, per process and kind (`tree_memory`: anonymous, file-backed, shared memory, 
 /proc/PID/smaps_rollup; `PeakPss` keeps the one of its peak sample), and the tree's PSS as if
 nothing outside it mapped its pages (`tree_pss_alone`: on a busy machine, other processes that
 map the same library files take their share of those pages' PSS, so `tree_pss` reads lower than
-the same tree on a quiet one)."""
+the same tree on a quiet one). `settled` reads a value (the tree's PSS) until it stops moving: after a
+load, once the services' idle release has given their free memory back."""
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 MiB = 1 << 20
@@ -32,6 +35,39 @@ def tree_pss(pid: int) -> tuple[int, int]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return total, count
+
+
+SETTLE_INTERVAL_S = 0.5
+SETTLE_WINDOW_READS = 3
+"""Reads in a row that must agree: 3 reads 0.5 s apart span 1 s, the longest a service waits after
+its last request before its idle release (its first idle 0.5 s tick, epd/transport/idle_memory.py),
+so two equal reads taken before the release do not end the wait."""
+SETTLE_TOLERANCE_RATIO = 0.01
+SETTLE_MAX_READS = 12
+"""The bound on the wait: 12 reads, 5.5 s."""
+
+
+def settled(
+    read: Callable[[], int],
+    interval_s: float = SETTLE_INTERVAL_S,
+    window_reads: int = SETTLE_WINDOW_READS,
+    tolerance_ratio: float = SETTLE_TOLERANCE_RATIO,
+    max_reads: int = SETTLE_MAX_READS,
+    sleep: Callable[[float], None] = time.sleep,
+) -> tuple[int, bool]:
+    """`read()` every `interval_s` until its last `window_reads` values agree within
+    `tolerance_ratio` of the largest, at most `max_reads` times: (the last value, whether they
+    agreed). After a load, `settled(lambda: tree_pss(pid)[0])` is the tree's PSS once its services
+    are idle and have given their free memory back, not a read taken before their idle release."""
+    values: list[int] = []
+    while True:
+        values.append(read())
+        window = values[-window_reads:]
+        if len(window) == window_reads and max(window) - min(window) <= tolerance_ratio * max(window):
+            return values[-1], True
+        if len(values) >= max_reads:
+            return values[-1], False
+        sleep(interval_s)
 
 
 def tree_on_tcmalloc(pid: int) -> int:

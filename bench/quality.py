@@ -1,6 +1,6 @@
 """`epd bench quality`: accuracy on the synthetic test split, through the serving path.
 
-    PYTHONPATH=. python -c "import sys, epd.bench.quality as q; sys.exit(q.main(sys.argv[1:]))" \
+    PYTHONPATH=. python -m epd.bench.quality \
         --presets off,light,budget25,balanced,aggressive --out bench_results/quality
 
 Every question of the test split goes through `epd.gateway.embedded.build_embedded_pipeline` (the
@@ -36,6 +36,9 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from epd.cmdline.flexible import add_config_flag, parse_flexibly
+from epd.cmdline.keyword_help import add_keyword_help
 
 PRESET_NAMES: tuple[str, ...] = ("off", "light", "budget25", "balanced", "aggressive")
 # Fixed retention levels (issue #4's benchmark settings, as `bench/bench_pruning.py --drop-layers 0 1`
@@ -433,11 +436,13 @@ def build_parser() -> argparse.ArgumentParser:
     output = p.add_argument_group("output")
     output.add_argument("--out", default=d.out_dir, help="output directory")
     output.add_argument("--no-progress", action="store_true")
+    add_keyword_help(p)  # vLLM's --help=KEYWORD and --config FILE.yaml, as every `epd` command
+    add_config_flag(p)
     return p
 
 
 def parse_args(argv: list[str] | None) -> QualityConfig:
-    a = build_parser().parse_args(argv)
+    a = parse_flexibly(build_parser(), argv)  # --config FILE.yaml, --flag_name: as `epd bench quality`
     return QualityConfig(
         model=a.model,
         presets=tuple(x.strip() for x in a.presets.split(",") if x.strip()),

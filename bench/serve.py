@@ -58,6 +58,8 @@ from epd.bench.openai_load import (
 from epd.bench.serve_baselines import run_embedded_baseline, run_hf_baseline
 from epd.bench.serve_report import ratio_table, sweep_table, write_plot
 from epd.bench.serve_requests import DEFAULT_QUESTIONS, RequestResult, summarize
+from epd.cmdline.flexible import add_config_flag, parse_flexibly
+from epd.cmdline.keyword_help import add_keyword_help
 from epd.resources import sample_video
 
 
@@ -214,6 +216,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         metavar="FILE.png",
         help="write throughput, TTFT and TPOT against concurrency here (needs matplotlib)",
     )
+    add_keyword_help(p)  # vLLM's --help=KEYWORD and --config FILE.yaml, as every `epd` command
+    add_config_flag(p)
     return p
 
 
@@ -233,7 +237,7 @@ def _print_table(name: str, s: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
-    args = build_parser().parse_args(argv)
+    args = parse_flexibly(build_parser(), argv)  # --config FILE.yaml, --flag_name: as `epd bench serve`
     levels: list[int] = args.concurrency
     target = None
     if args.openai:

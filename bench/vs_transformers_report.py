@@ -1,6 +1,8 @@
 """bench/bench_vs_transformers_serve.py's tables over its runs ({server name: run_server's
 result}): each epd variant against transformers serve level by level (`side_by_side`), memory
-and start-up (`memory_table`), and where each level's core-seconds went (`cpu_table`)."""
+and start-up (`memory_table`; "PSS after load, settled": once the services are idle and their idle
+release has given memory back, `process_tree.settled`), and where each level's core-seconds went
+(`cpu_table`)."""
 
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ def side_by_side(runs: dict[str, dict]) -> list[str]:
 
 def memory_table(runs: dict[str, dict]) -> list[str]:
     rows = [
-        "| server | processes (on tcmalloc) | PSS idle MiB | PSS peak during load MiB | PSS after load MiB | "
+        "| server | processes (on tcmalloc) | PSS idle MiB | PSS peak during load MiB | PSS after load, settled MiB | "
         "start-up s |",
         "|---|---|---|---|---|---|",
     ]

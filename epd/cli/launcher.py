@@ -366,14 +366,27 @@ def _wait_ready(
                 slot.replica.answered(time.monotonic(), serving=True)
                 pending.remove(slot)
         if time.monotonic() > deadline:
-            print(
-                f"epd: not ready after {ready_timeout_s:g} s: {[s.name for s in pending]} (a model slower "
-                "to load needs a longer --start-timeout)",
-                file=sys.stderr,
-            )
+            not_serving = [slot.name for slot in pending if slot.proc is not None]
+            not_started = [slot.name for slot in pending if slot.proc is None]
+            print(not_ready_message(ready_timeout_s, not_serving, not_started), file=sys.stderr)
             return EXIT_FAILED
         signals.stop.wait(0.2)
     return None
+
+
+def not_ready_message(ready_timeout_s: float, not_serving: list[str], not_started: list[str]) -> str:
+    """The line the launcher exits with when the stack is not ready after `ready_timeout_s`: the
+    services it started that do not serve yet apart from those it never started (the gateway, with
+    every stage on port 0, starts only once the stages serve: it waited, it did not fail)."""
+    parts = []
+    if not_serving:
+        parts.append(f"started, not serving yet: {', '.join(not_serving)}")
+    if not_started:
+        parts.append(f"not started (waiting for the others to serve): {', '.join(not_started)}")
+    return (
+        f"epd: not ready after {ready_timeout_s:g} s: {'; '.join(parts)} "
+        "(a model slower to load needs a longer --start-timeout)"
+    )
 
 
 def _on_health(slots: list[_Slot], checks: dict[int, Future[bool | None]], now: float) -> int | None:

@@ -6,18 +6,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from epd.cli.flags.gateway import STRUCTURED_OUTPUTS_CONFIG
 from epd.cli.flags.modes import command_parser, command_tokens, ignored_flags_problem
-from epd.cli.parsers.flexible import (
-    CommandUsageError,
-    asked_help,
-    dashed_flags,
-    expanded_config_file,
-    joined_dotted_flags,
-)
 from epd.cli.parsers.root import bench_suite_parser, build_parser
 from epd.cli.parsers.serve import flags_before_role
 from epd.cli.preload import ensure_preloads, preload_choices
 from epd.cli.secret_flags import hide_secrets_from_ps
+from epd.cmdline.flexible import dashed_flags, vllm_spellings_read
 
 
 def parse_command(argv: list[str] | None = None) -> argparse.Namespace:
@@ -27,7 +22,7 @@ def parse_command(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(given)
     if args.command == "bench":  # the suite's words, read with its parser: its errors and --help
         suite = bench_suite_parser(args.suite)
-        args.bench_args = _vllm_spellings_read(suite, args.bench_args)
+        args.bench_args = vllm_spellings_read(suite, args.bench_args)
         suite.parse_args(args.bench_args)
     if args.command == "serve" and args.role and (early := flags_before_role(given)):
         parser.error(
@@ -41,17 +36,10 @@ def parse_command(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _vllm_spellings_read(parser: argparse.ArgumentParser, words: list[str]) -> list[str]:
-    """`words` (dashed: `dashed_flags`) with vLLM's spellings (`epd.cli.parsers.flexible`) read for
-    `parser`'s commands: --config FILE.yaml expanded, the dotted form of a JSON flag joined into one
-    JSON word; --help=KEYWORD printed (exit 0), a usage error exit 2 naming its command."""
-    if (asked := asked_help(parser, words)) is not None:
-        command, text = asked
-        command._print_message(text, sys.stdout)
-        command.exit()
-    try:
-        return joined_dotted_flags(parser, expanded_config_file(parser, words))
-    except CommandUsageError as exc:
-        exc.command.error(str(exc))  # `epd serve: error: ...`, as the command's other usage errors
+    """`words` with vLLM's spellings read for `parser`'s commands (`epd.cmdline.flexible`, the
+    implementation the bench suites run as modules share), the gateway's JSON flag's dotted form
+    among them."""
+    return vllm_spellings_read(parser, words, json_flags=(STRUCTURED_OUTPUTS_CONFIG,))
 
 
 def main(argv: list[str] | None = None) -> int:

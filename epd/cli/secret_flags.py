@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from epd.cli.parsers.flexible import dashed_flags
+from epd.cmdline.flexible import dashed_flags
 
 SECRET_FLAGS = ("--api-key",)
 """Flags whose value is a secret: hidden from this process's command line as `ps` shows it."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import logging
 import os
 import signal
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from epd.cli.launcher import LAUNCHER_PID_ENV, serve_stack
 from epd.cli.process_exit import EXIT_FAILED, EXIT_MODEL, EXIT_OK, EXIT_USAGE, exit_now
+from epd.transport.parent_death import die_with_parent
 
 if TYPE_CHECKING:
     from epd.cli.configs import ColocatedStages
@@ -29,14 +29,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-_PR_SET_PDEATHSIG = 1
-
-
 def run_serve(args: argparse.Namespace) -> int:
     if args.role is None and not args.colocate:
         return serve_stack(args)
     if LAUNCHER_PID_ENV in os.environ:  # the stack's gateway: end with the launcher
-        _die_with_parent(int(os.environ.pop(LAUNCHER_PID_ENV)))
+        # Armed here, not in a `preexec_fn`: the launcher runs threads (gRPC, the health checks) by
+        # the time it restarts a child, and code run between fork and exec there can deadlock.
+        die_with_parent(int(os.environ.pop(LAUNCHER_PID_ENV)), EXIT_FAILED)
     code = serve_role(args)
     _log_threads_left()
     exit_now(code)  # the service has drained and stopped (`epd.cli.process_exit`)
@@ -156,15 +155,3 @@ def _log_threads_left() -> None:
     )
     if left:
         log.warning("threads still running after the service stopped: %s", ", ".join(left))
-
-
-def _die_with_parent(launcher_pid: int) -> None:
-    """In a child of the launcher: get SIGTERM if `epd serve` dies, so no service outlives it. Armed
-    here, not in a `preexec_fn`: the launcher runs threads (gRPC, the health checks) by the time it
-    restarts a child, and code run between fork and exec in a threaded process can deadlock."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-    if os.getppid() != launcher_pid:  # the launcher died before PDEATHSIG was armed: nobody will signal us
-        os._exit(EXIT_FAILED)

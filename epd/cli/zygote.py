@@ -43,7 +43,7 @@ from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any
 
-_PR_SET_PDEATHSIG = 1
+from epd.transport.parent_death import die_with_parent
 
 _MAIN_SWAP = threading.Lock()
 """Held while `sys.modules["__main__"]` is swapped for a child's start (`_no_main_for_the_child`):
@@ -243,12 +243,7 @@ def _run_service(argv: list[str], env: dict[str, str], log_path: str | None) -> 
     os.environ.update(env)
     # its own process group, as the launcher's other children: Ctrl-C reaches only the launcher
     os.setpgid(0, 0)
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-    if os.getppid() != zygote_pid:  # the zygote died before PDEATHSIG was armed: nobody will signal us
-        os._exit(1)
+    die_with_parent(zygote_pid, 1)  # SIGTERM when the zygote ends
     from epd.cli.main import main
 
     raise SystemExit(main(argv))

@@ -2,7 +2,7 @@
 and no gRPC below the transport layer.
 
     0 wire        epd.v1 (generated from protos/)
-    1 libraries   epd.video, epd.token_pruning, epd.model_runtime, epd.resources
+    1 libraries   epd.video, epd.token_pruning, epd.model_runtime, epd.resources, epd.cmdline
     2 domain      epd.stages (types, errors, contracts, server config; threads that run engine work)
     3 engines     epd.{encoder,prefill,decode}_svc, except their gRPC modules
     4 transport   epd.transport; the services' servicer.py, server.py and kv_pull.py
@@ -26,7 +26,7 @@ SERVICES = ("encoder_svc", "prefill_svc", "decode_svc")
 GRPC_MODULES = ("servicer", "server", "kv_pull")
 LAYER_NAMES = ["wire", "libraries", "domain", "engines", "transport", "front doors"]
 PACKAGE_LAYER = {
-    "v1": 0, "video": 1, "token_pruning": 1, "model_runtime": 1, "resources": 1, "stages": 2,
+    "v1": 0, "video": 1, "token_pruning": 1, "model_runtime": 1, "resources": 1, "cmdline": 1, "stages": 2,
     "transport": 4, "gateway": 5, "client": 5, "cli": 5, "bench": 5, "synth": 5, "train": 5,
 }  # fmt: skip
 

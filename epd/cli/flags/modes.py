@@ -13,6 +13,8 @@ import argparse
 import weakref
 from dataclasses import dataclass
 
+from epd.cmdline.flexible import written_flags
+
 
 @dataclass(frozen=True)
 class Mode:
@@ -64,36 +66,6 @@ def declared_flags(parser: argparse.ArgumentParser, mode: Mode) -> set[str]:
     return {
         a.dest for a in parser._actions if (rule := _SERVES_ONLY.get(a)) is not None and rule.mode == mode
     }
-
-
-def written_flags(parser: argparse.ArgumentParser, tokens: list[str]) -> list[argparse.Action]:
-    """The options of `parser` written in `tokens` (the command's words after its name), in order:
-    `--flag value`, `--flag=value`, an abbreviation the parser accepts; a flag's value is never read
-    as a flag (`--stop --device` stops at "--device"), and nothing after `--` is an option."""
-    actions: list[argparse.Action] = []
-    takes_value = False
-    for token in tokens:
-        if takes_value:
-            takes_value = False
-            continue
-        if token == "--":
-            break
-        if not token.startswith("-") or token == "-":
-            continue
-        name, has_value, _ = token.partition("=")
-        action = parser._option_string_actions.get(name) or _abbreviated(parser, name)
-        if action is None:  # a negative number, or a value argparse takes as one
-            continue
-        actions.append(action)
-        takes_value = not has_value and action.nargs != 0
-    return actions
-
-
-def _abbreviated(parser: argparse.ArgumentParser, prefix: str) -> argparse.Action | None:
-    if not parser.allow_abbrev or not prefix.startswith("--"):
-        return None
-    matches = {a for option, a in parser._option_string_actions.items() if option.startswith(prefix)}
-    return matches.pop() if len(matches) == 1 else None  # argparse itself refuses an ambiguous one
 
 
 def command_parser(root: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:

@@ -26,9 +26,9 @@ from epd import __version__
 from epd.cli.flags.arg_types import positive_seconds
 from epd.cli.flags.server import add_tls_client_flags
 from epd.cli.parsers.ask import add_ask_command
-from epd.cli.parsers.flexible import add_config_flag
-from epd.cli.parsers.keyword_help import add_keyword_help
 from epd.cli.parsers.serve import add_serve_command
+from epd.cmdline.flexible import add_config_flag
+from epd.cmdline.keyword_help import add_keyword_help
 
 
 class _Parser(argparse.ArgumentParser):
@@ -78,19 +78,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def bench_suite_parser(suite: str) -> argparse.ArgumentParser:
-    """`epd bench SUITE`'s own parser (the suite's module's), taking vLLM's --config FILE.yaml and
-    --help=KEYWORD as every other command does; `parse_command` reads the suite's words with it."""
+    """`epd bench SUITE`'s own parser (the suite's module's, which takes vLLM's --config FILE.yaml
+    and --help=KEYWORD as every other command does, run as `epd bench` or as a module);
+    `parse_command` reads the suite's words with it."""
     if suite == "serve":
         from epd.bench.serve import build_parser as serve_parser
 
-        parser = serve_parser()
-    else:
-        from epd.bench.quality import build_parser as quality_parser
+        return serve_parser()
+    from epd.bench.quality import build_parser as quality_parser
 
-        parser = quality_parser()
-    add_keyword_help(parser)
-    add_config_flag(parser)
-    return parser
+    return quality_parser()
 
 
 def _commands(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:

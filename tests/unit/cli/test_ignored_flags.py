@@ -174,7 +174,7 @@ def test_the_flags_declared_stack_only_are_those_the_colocated_path_never_reads(
         "log_format",
         "allocator",
         "mkl_dispatch",
-        "config",  # `parse_command`: replaced by the file's flags before argparse (parsers/flexible.py)
+        "config",  # `parse_command`: replaced by the file's flags before argparse (epd/cmdline/flexible.py)
     }  # `main`, `run_serve`
     serve = command_parser(parser, "serve")
     flags = {a.dest for a in serve._actions if a.option_strings and a.dest != "help"}

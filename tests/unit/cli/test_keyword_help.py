@@ -1,4 +1,4 @@
-"""vLLM's `--help=KEYWORD` on every `epd` command (epd/cli/parsers/keyword_help.py): one group of
+"""vLLM's `--help=KEYWORD` on every `epd` command (epd/cmdline/keyword_help.py): one group of
 flags by its name, the flags whose names contain the keyword (without case, `_` as `-`), the list
 of groups, everything; no match says so and what to try. Each prints to stdout and exits 0."""
 

@@ -12,7 +12,7 @@ import threading
 import grpc
 import pytest
 
-from epd.cli.launcher import serve_stack
+from epd.cli.launcher import not_ready_message, serve_stack
 from epd.cli.parsers.root import build_parser
 from epd.cli.process_exit import EXIT_MODEL
 from epd.cli.stack_commands import check_max_model_len
@@ -31,6 +31,19 @@ def test_the_launcher_waits_for_what_a_service_closes_after_its_drain(close_time
 
     for role in ("gateway", "encoder", "prefill", "decode"):
         assert launcher.stop_wait_s(30.0, close_timeout_s) >= stop_bound_s(role, 30.0, close_timeout_s), role
+
+
+def test_the_start_timeout_names_the_services_not_serving_apart_from_those_never_started():
+    """With every stage on port 0 the gateway starts only once the stages serve: at the timeout it
+    never started, which is not the same as a service that started and does not serve."""
+    tail = " (a model slower to load needs a longer --start-timeout)"
+    assert not_ready_message(0.5, ["encoder[0]", "prefill[0]"], ["gateway"]) == (
+        "epd: not ready after 0.5 s: started, not serving yet: encoder[0], prefill[0]; "
+        "not started (waiting for the others to serve): gateway" + tail
+    )
+    assert not_ready_message(600.0, ["decode[0]"], []) == (
+        "epd: not ready after 600 s: started, not serving yet: decode[0]" + tail
+    )
 
 
 def test_the_launcher_imports_no_torch():

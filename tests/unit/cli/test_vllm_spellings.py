@@ -1,9 +1,12 @@
-"""vLLM's command-line conveniences (`FlexibleArgumentParser`, epd/cli/parsers/flexible.py) on every
+"""vLLM's command-line conveniences (`FlexibleArgumentParser`, epd/cmdline/flexible.py) on every
 `epd` command: a long flag spelled with underscores, and `--config FILE.yaml` (its keys flag names,
 its values the flags' values, a flag written on the command line winning). Each form parses to the
 same configs as the dashed flags; a file epd cannot take exits 2 naming the file and the key."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 
@@ -11,9 +14,10 @@ from epd.bench import quality
 from epd.bench import serve as bench_serve
 from epd.cli import configs
 from epd.cli.main import parse_command
-from epd.cli.parsers.flexible import dashed_flags
 from epd.cli.secret_flags import hide_secrets
 from epd.cli.stack_commands import stack_commands
+from epd.cmdline.flexible import dashed_flags
+from tests.stack import ROOT, child_env
 
 GATEWAY_DASHED = [
     "--served-model-name=video-qa", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder", "--api-key", "k1", "--api-key", "k2",
@@ -231,6 +235,47 @@ def test_a_bench_suite_takes_underscores_and_a_config_file_as_vllm_bench_serve(t
     assert quality.parse_args(parse_command(["bench", "quality", *quality_flags]).bench_args) == (
         quality.parse_args(BENCH_QUALITY_DASHED)
     )
+
+
+def _run_module(module: str, *words: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", module, *words], capture_output=True, text=True, env=child_env(), cwd=ROOT,
+        timeout=120,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("form", ["underscores", "config"])
+def test_a_bench_suite_run_as_a_module_takes_vllms_spellings_as_epd_bench_does(tmp_path, form):
+    """`python -m epd.bench.serve` reads its words with the same functions as `epd bench serve`
+    (`epd.cmdline.flexible`): here the words parse, and the suite's own check after parsing
+    refuses --with-completions without --openai (nothing is sent)."""
+    (path := tmp_path / "serve.yaml").write_text("endpoint: h:1\nwith_completions: true\n")
+    words = ["--endpoint", "h:1", "--with_completions"] if form == "underscores" else ["--config", str(path)]
+    run = _run_module("epd.bench.serve", *words)
+    assert run.returncode == 2, run.stderr
+    assert "epd bench serve: --with-completions needs --openai" in run.stderr
+
+
+def test_a_bench_suite_run_as_a_module_names_its_files_unknown_key(tmp_path):
+    (path := tmp_path / "quality.yaml").write_text("num_tests: 3\n")
+    run = _run_module("epd.bench.quality", "--config", str(path))
+    assert run.returncode == 2
+    assert (
+        f"epd bench quality: error: --config {path}: unknown key 'num_tests': epd bench quality has no "
+        "--num-tests" in run.stderr
+    )
+
+
+@pytest.mark.parametrize("form", ["underscores", "config"])
+def test_a_bench_suites_parse_function_reads_vllms_spellings(tmp_path, form):
+    """What `python -m epd.bench.quality` parses with (`quality.parse_args`), called alone."""
+    (path := tmp_path / "quality.yaml").write_text(BENCH_QUALITY_CONFIG)
+    words = (
+        [w.replace("-", "_").replace("__", "--") for w in BENCH_QUALITY_DASHED]
+        if form == "underscores"
+        else ["--config", str(path)]
+    )
+    assert quality.parse_args(words) == quality.parse_args(BENCH_QUALITY_DASHED)
 
 
 def test_a_bench_suites_command_line_wins_over_its_file(tmp_path):

@@ -1,5 +1,7 @@
 """vLLM's command-line conveniences (its `FlexibleArgumentParser`, vllm/utils/argparse_utils.py),
-applied to `epd`'s words before argparse reads them, so a vLLM command line carries over:
+applied to a command's words before argparse reads them, so a vLLM command line carries over. The
+one implementation for `epd`'s commands (`epd.cli.main`) and for the bench suites run as modules
+(`python -m epd.bench.serve`, `epd.bench.quality`), which may not import `epd.cli`:
 
 - a long flag's name with underscores is the dashed flag (`--max_model_len 8192`,
   `--max_model_len=8192`): `dashed_flags`, the one place names are normalised;
@@ -9,7 +11,10 @@ applied to `epd`'s words before argparse reads them, so a vLLM command line carr
 - a JSON flag's dotted keys (`--structured-outputs-config.disable_any_whitespace true`) joined into
   the flag's one JSON word: `joined_dotted_flags`;
 - `--help=KEYWORD`, a part of the help of the command it follows: `asked_help` (the parts:
-  `epd.cli.parsers.keyword_help`).
+  `epd.cmdline.keyword_help`).
+
+`vllm_spellings_read` applies them all (printing a --help=KEYWORD, exiting 2 on a usage error);
+`parse_flexibly` is argparse's `parse_args` with them read first.
 
 A command that passes its words on whole to another parser (`epd bench SUITE ...`, the suite's
 own) is left them: they are read again with that parser, by the same functions."""
@@ -18,11 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Collection
+import sys
+from collections.abc import Collection, Sequence
 
-from epd.cli.flags.gateway import STRUCTURED_OUTPUTS_CONFIG
-from epd.cli.flags.modes import written_flags
-from epd.cli.parsers.keyword_help import help_keyword, keyword_help
+from epd.cmdline.keyword_help import help_keyword, keyword_help
 
 CONFIG_FLAG = "--config"
 
@@ -221,14 +225,14 @@ def command_at(
     return parser, start
 
 
-def joined_dotted_flags(root: argparse.ArgumentParser, words: list[str]) -> list[str]:
-    """`words` with vLLM's dotted form of a JSON flag (`--structured-outputs-config.KEY VALUE` or
-    `--structured-outputs-config.KEY=VALUE`, the value JSON or else text, as vLLM's
+def joined_dotted_flags(root: argparse.ArgumentParser, words: list[str], flag: str) -> list[str]:
+    """`words` with vLLM's dotted form of the JSON flag `flag` (`--structured-outputs-config.KEY
+    VALUE` or `--structured-outputs-config.KEY=VALUE`, the value JSON or else text, as vLLM's
     `FlexibleArgumentParser` reads it) joined into one `--structured-outputs-config JSON`, at
     the place of the flag's first word, over a JSON object given whole (one that is not JSON is left
     to the flag's check to refuse). CommandUsageError naming the command of `root` (`epd`'s parser)
     the flag belongs to: a dotted key with no value (the last word, or a flag after it)."""
-    prefix = STRUCTURED_OUTPUTS_CONFIG + "."
+    prefix = flag + "."
     if not any(word.startswith(prefix) for word in words):
         return words
     whole_keys: dict[str, object] = {}
@@ -241,7 +245,7 @@ def joined_dotted_flags(root: argparse.ArgumentParser, words: list[str]) -> list
             out += [word, *rest]
             break
         name, eq, value = word.partition("=")
-        if name.startswith(prefix) or name == STRUCTURED_OUTPUTS_CONFIG:
+        if name.startswith(prefix) or name == flag:
             if not eq:
                 following = next(rest, None)
                 # the flag is the last word, or the next is a flag (its value would be taken for one)
@@ -251,7 +255,7 @@ def joined_dotted_flags(root: argparse.ArgumentParser, words: list[str]) -> list
                         f"{name} needs a value (e.g. {prefix}disable_any_whitespace true)",
                     )
                 value = following
-            if name == STRUCTURED_OUTPUTS_CONFIG:
+            if name == flag:
                 try:
                     whole = json.loads(value)
                 except json.JSONDecodeError:
@@ -270,5 +274,62 @@ def joined_dotted_flags(root: argparse.ArgumentParser, words: list[str]) -> list
             continue
         out.append(word)
     assert at is not None
-    out[at:at] = [STRUCTURED_OUTPUTS_CONFIG, json.dumps({**whole_keys, **dotted})]
+    out[at:at] = [flag, json.dumps({**whole_keys, **dotted})]
     return out
+
+
+def written_flags(parser: argparse.ArgumentParser, tokens: list[str]) -> list[argparse.Action]:
+    """The options of `parser` written in `tokens` (the command's words after its name), in order:
+    `--flag value`, `--flag=value`, an abbreviation the parser accepts; a flag's value is never read
+    as a flag (`--stop --device` stops at "--device"), and nothing after `--` is an option."""
+    actions: list[argparse.Action] = []
+    takes_value = False
+    for token in tokens:
+        if takes_value:
+            takes_value = False
+            continue
+        if token == "--":
+            break
+        if not token.startswith("-") or token == "-":
+            continue
+        name, has_value, _ = token.partition("=")
+        action = parser._option_string_actions.get(name) or _abbreviated(parser, name)
+        if action is None:  # a negative number, or a value argparse takes as one
+            continue
+        actions.append(action)
+        takes_value = not has_value and action.nargs != 0
+    return actions
+
+
+def _abbreviated(parser: argparse.ArgumentParser, prefix: str) -> argparse.Action | None:
+    if not parser.allow_abbrev or not prefix.startswith("--"):
+        return None
+    matches = {a for option, a in parser._option_string_actions.items() if option.startswith(prefix)}
+    return matches.pop() if len(matches) == 1 else None  # argparse itself refuses an ambiguous one
+
+
+def vllm_spellings_read(
+    parser: argparse.ArgumentParser, words: list[str], json_flags: Sequence[str] = ()
+) -> list[str]:
+    """`words` (dashed: `dashed_flags`) with vLLM's spellings read for `parser`'s commands:
+    --config FILE.yaml expanded, the dotted form of each of `json_flags` joined into one JSON word;
+    --help=KEYWORD printed (exit 0), a usage error exit 2 naming its command."""
+    if (asked := asked_help(parser, words)) is not None:
+        command, text = asked
+        command._print_message(text, sys.stdout)
+        command.exit()
+    try:
+        words = expanded_config_file(parser, words)
+        for flag in json_flags:
+            words = joined_dotted_flags(parser, words, flag)
+        return words
+    except CommandUsageError as exc:
+        exc.command.error(str(exc))  # `epd serve: error: ...`, as the command's other usage errors
+
+
+def parse_flexibly(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """`parser.parse_args(argv)` (the process's own arguments when None) with vLLM's spellings read
+    first (`vllm_spellings_read`): what a command run as a module (`python -m epd.bench.serve`)
+    parses with, as `epd`'s commands do."""
+    words = dashed_flags(list(sys.argv[1:] if argv is None else argv))
+    return parser.parse_args(vllm_spellings_read(parser, words))
