@@ -3,7 +3,8 @@
     GET  /                        the page (static/index.html; plain HTML/CSS/JS, no build, no CDN),
                                   served, as every response, with `SECURITY_HEADERS` (a CSP of
                                   its own origin only, no framing, nosniff)
-    GET  /static/{file}           its script and style sheet
+    GET  /static/{name}           its script and style sheet (the files of static/ by name only;
+                                  any other name, a path or a traversal is the API's JSON 404)
     GET  /demo/samples            the bundled samples (samples/): name, kind, size, suggested questions
     GET  /demo/samples/{name}     one sample's bytes
     POST /demo/frames             {"video_url": "data:...", "media": {...}} -> the frames the
@@ -39,8 +40,7 @@ from epd.gateway.admission import max_body_bytes as gateway_max_body_bytes
 from epd.gateway.chat_request import parse_chat_request
 from epd.gateway.config import GatewayConfig
 from epd.gateway.http_body import TICKET_KEY, defer_continue, read_json_body
-from epd.gateway.http_error_responses import exception_response
-from epd.gateway.http_errors import error_body
+from epd.gateway.http_error_responses import exception_response, json_error
 from epd.gateway.media_fetch import load_media
 from epd.gateway.web.demo_decodes import DemoDecodes
 from epd.model_runtime.sampling import GenerationConfig
@@ -49,6 +49,8 @@ from epd.stages.errors import InvalidRequest
 from epd.video.types import DecodeCancelled, DecodeLimits, SamplingOptions
 
 STATIC_DIR = Path(__file__).parent / "static"
+STATIC_FILES = frozenset(path.name for path in STATIC_DIR.iterdir() if path.is_file())
+"""What GET /static/{name} serves, by name."""
 SAMPLES_DIR = shipped("samples")
 THUMBNAIL_MAX_SIDE = 192
 """Longest side of a frame thumbnail, in pixels."""
@@ -81,7 +83,9 @@ def add_demo_routes(
 ) -> None:
     demo = WebDemo(config, samples_dir, max_body_bytes or gateway_max_body_bytes(config.max_upload_bytes))
     app.router.add_get("/", demo.index, expect_handler=defer_continue)
-    app.router.add_static("/static/", STATIC_DIR, expect_handler=defer_continue)
+    # Not aiohttp's add_static: its answer to a missing file is a FileResponse that turns into an
+    # empty 404 only as it is sent, after the middleware has logged and counted it as a 200.
+    app.router.add_get("/static/{name}", demo.static_file, expect_handler=defer_continue)
     app.router.add_get("/demo/samples", demo.samples, expect_handler=defer_continue)
     app.router.add_get("/demo/samples/{name}", demo.sample, expect_handler=defer_continue)
     app.router.add_post("/demo/frames", demo.frames, expect_handler=defer_continue)
@@ -112,13 +116,18 @@ class WebDemo:
     async def samples(self, request: web.Request) -> web.Response:
         return web.json_response({"samples": list_samples(self.samples_dir)})
 
+    async def static_file(self, request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        if name not in STATIC_FILES:  # only the page's files: no path ever comes from the URL
+            return json_error(404, f"no file named {name[:200]!r} in /static/", "not_found_error")
+        return web.FileResponse(STATIC_DIR / name)
+
     async def sample(self, request: web.Request) -> web.StreamResponse:
         name = request.match_info["name"]
         names = {s["name"] for s in list_samples(self.samples_dir)}
         if name not in names:  # only listed files: no path ever comes from the URL
-            return web.json_response(
-                error_body(f"no sample named {name!r}", "not_found_error", 404), status=404
-            )
+            message = f"no sample named {name[:200]!r}; GET /demo/samples lists them"
+            return json_error(404, message, "not_found_error")
         return web.FileResponse(self.samples_dir / name)
 
     async def frames(self, request: web.Request) -> web.Response:
