@@ -98,6 +98,39 @@ def test_a_missing_static_file_or_sample_is_a_json_404_counted_as_one():
     assert {(code, float(n)) for code, _, n in counted} == {("404", 8.0), ("404", 2.0)}, counted
 
 
+def test_a_page_file_or_sample_is_answered_whole_whatever_its_range_header():
+    """A Range header aiohttp's FileResponse could not read or meet ("{", bytes past the end) was
+    an empty 416 of no JSON, decided as it was sent: counted as a 200. Range is ignored (RFC 9110
+    allows it; the page fetches its files whole): the whole file, 200, counted as one."""
+    paths = ("/", "/static/app.js", "/demo/samples/sample.png")
+
+    async def calls(session):
+        out = {}
+        for path in paths:
+            for value in ("{", "bytes=999999999-", "bytes=5-1", "bytes=0-3"):
+                async with session.get(path, headers={"Range": value}) as resp:
+                    out[path, value] = (
+                        resp.status,
+                        len(await resp.read()),
+                        resp.headers.get("Content-Range"),
+                    )
+            async with session.get(path) as resp:
+                out[path] = len(await resp.read())
+        async with session.get("/metrics") as resp:
+            return out, await resp.text()
+
+    out, metrics = asyncio.run(_session("", calls))
+    for key, answer in out.items():
+        if isinstance(key, tuple):
+            assert answer == (200, out[key[0]], None), (key, answer)
+    counted = re.findall(
+        r'epd_http_responses_total\{code="(\d+)",route="(/|/static[^"]*|/demo/samples[^"]*)"\} (\S+)', metrics
+    )
+    assert sorted(counted) == [
+        ("200", route, "5.0") for route in ("/", "/demo/samples/{name}", "/static/{name}")
+    ]
+
+
 def test_every_response_forbids_framing_sniffing_and_other_origins():
     """The page holds an API key and had no Content-Security-Policy, X-Frame-Options or nosniff:
     any site could frame it (clickjacking the key's owner), a script from anywhere could run in
