@@ -1,9 +1,13 @@
-"""Property-based fuzzing (Hypothesis) of the gateway's two front doors against one real stack:
-random JSON bodies on the HTTP API (/v1/chat/completions and /v1/responses, sharing one budget of
-examples) and random message streams on the gRPC Ask stream. Properties: every answer is a success or a documented error (HTTP 4xx JSON / a gRPC
-status from DOCUMENTED_CODES, never 5xx, UNKNOWN or INTERNAL), no message leaks a traceback or an
-internal path, every call ends within its timeout, and afterwards the stack is healthy and answers
-a normal request.
+"""Property-based fuzzing (Hypothesis) of the gateway's front doors against one real stack:
+random JSON bodies on the HTTP API (/v1/chat/completions and /v1/responses sharing one budget of
+examples; /v1/completions, /tokenize, /detokenize and the web demo's /demo/frames another, their
+bodies sent as they are, compressed, or under a coding they are not), every route and any other
+path by any method with junk path parameters, query strings and headers, random message streams
+on the gRPC Ask stream, and each stage's RPCs. Properties: every answer is a success or a
+documented error (HTTP < 500 with a JSON error.message / a gRPC status from DOCUMENTED_CODES, never
+5xx, UNKNOWN or INTERNAL), no message leaks a traceback or an internal path, no file outside the
+page's and the samples' is served, every call ends within its timeout, and afterwards the stack is
+healthy and answers a normal request.
 
 Seeded (derandomize) and bounded so CI stays fast; for a longer local run raise the number of
 examples: EPD_FUZZ_EXAMPLES=2000 pytest tests/integration/test_fuzz_front_doors.py"""
@@ -218,16 +222,36 @@ CODINGS = st.sampled_from(
 it is under that name, ", truncated" cut short; "br" is refused before it is read."""
 
 
+TYPED = {
+    "max_tokens": st.integers(0, 4), "temperature": st.floats(0, 2), "top_k": st.integers(-1, 5),
+    "seed": st.integers(-(2**63), 2**63 - 1), "stream": st.booleans(), "n": st.integers(1, 3),
+    "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=2)), "echo": st.booleans(),
+    "logprobs": st.integers(0, 5), "prompt_logprobs": st.integers(-1, 3), "return_token_ids": st.booleans(),
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans(),
+                                                          "continuous_usage_stats": st.booleans()}),
+    "stop_token_ids": st.lists(st.integers(0, 300), max_size=3), "min_tokens": st.integers(0, 3),
+    "logit_bias": st.dictionaries(st.integers(-1, 300).map(str), st.floats(-100, 100), max_size=2),
+    "response_format": st.sampled_from([{"type": "json_object"}, {"type": "text"},
+                                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}]),
+    "structured_outputs": st.sampled_from([{"choice": ["a", "b"]}, {"regex": "[a-z]+"}, {"json": {}}]),
+    "add_special_tokens": st.booleans(), "return_token_strs": st.booleans(),
+    "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(),
+    "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "x"]), VALUES, max_size=2),
+    "tools": st.just([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+}  # fmt: skip
+"""A value of the right type (and mostly range) for a field, drawn half the time (`with_fields`)."""
+
+
 def with_fields(draw, body: dict[str, Any], names: tuple[str, ...]) -> bytes:
     for name in draw(st.lists(st.sampled_from(names), max_size=4, unique=True)):
-        body[name] = draw(VALUES)
+        body[name] = draw(st.one_of(TYPED[name], VALUES) if name in TYPED else VALUES)
     return json.dumps(body).encode()
 
 
 @st.composite
 def completions_bodies(draw) -> bytes:
-    prompt = st.one_of(st.text(max_size=30), TOKEN_IDS, st.lists(TOKEN_IDS, max_size=2),
-                       st.lists(st.text(max_size=8), max_size=2))  # fmt: skip
+    prompt = st.one_of(st.text(min_size=1, max_size=30), st.lists(st.integers(0, 300), min_size=1, max_size=6),
+                       TOKEN_IDS, st.lists(TOKEN_IDS, max_size=2), st.lists(st.text(max_size=8), max_size=2))  # fmt: skip
     return with_fields(draw, {"prompt": draw(prompt), "max_tokens": 2}, COMPLETIONS_FIELDS)
 
 
@@ -265,9 +289,12 @@ def encoded(body: bytes, coding: str) -> bytes:
     return packed[: len(packed) // 2] if how == "truncated" else packed
 
 
-def auth_headers(auth: int) -> dict[str, str | bytes]:
-    """Three in four with the API key (`auth` from 0 to 7), else none or a wrong one."""
-    return AUTH if auth >= 2 else {} if auth == 0 else {"Authorization": f"Bearer {API_KEY}x"}
+AUTHS = st.sampled_from(["key", "key", "key", "key", "key", "key", "none", "wrong"])
+"""Mostly the API key, else none or a wrong one (`auth_headers`)."""
+
+
+def auth_headers(auth: str) -> dict[str, str | bytes]:
+    return AUTH if auth == "key" else {} if auth == "none" else {"Authorization": f"Bearer {API_KEY}x"}
 
 
 def assert_answer(response, authed: bool = True) -> None:
@@ -295,9 +322,9 @@ def test_fuzz_http_json_routes(stack, video_bytes):
             st.tuples(st.just("/demo/frames"), frames_bodies(video_url) | junk),
         ),
         coding=CODINGS,
-        auth=st.integers(0, 7),
+        auth=AUTHS,
     )
-    def run(call: tuple[str, bytes], coding: str, auth: int) -> None:
+    def run(call: tuple[str, bytes], coding: str, auth: str) -> None:
         path, body = call
         headers = {**auth_headers(auth), **({"Content-Encoding": coding.partition(",")[0]} if coding else {})}
         response = asyncio.run(
@@ -305,12 +332,14 @@ def test_fuzz_http_json_routes(stack, video_bytes):
                 request(stack.http_port, "POST", path, encoded(body, coding), headers), CALL_TIMEOUT_S
             )
         )
-        assert_answer(response, authed=auth >= 2)
+        assert_answer(response, authed=auth == "key")
 
     run()
 
 
-METHODS = st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "TRACE"])
+METHODS = st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "TRACE", "PROPFIND"])
+"""Methods aiohttp's parser knows: one it does not (FOO), like a malformed request line, is answered
+by the parser with a plain-text 400 before any route or middleware (docs/security.md "Fuzzing")."""
 ROUTES = ("/", "/health", "/ping", "/version", "/metrics", "/v1/models", "/demo/samples", "/static/app.js",
           CHAT, COMPLETIONS, RESPONSES, "/tokenize", "/detokenize", "/demo/frames")  # fmt: skip
 PARAM_PREFIXES = ("/v1/models/", "/demo/samples/", "/static/", "/", "/v1/", "/v1/responses/", "/demo/")
@@ -346,7 +375,7 @@ def http_requests(draw) -> tuple[str, str, dict[str, str | bytes], bytes]:
         path = draw(st.sampled_from(PARAM_PREFIXES)) + "/".join(segments)
     path += draw(QUERIES)
     method = draw(METHODS)
-    headers: dict[str, str | bytes] = {**auth_headers(draw(st.integers(0, 7)))}
+    headers: dict[str, str | bytes] = {**auth_headers(draw(AUTHS))}
     for name in draw(st.lists(st.sampled_from(HEADER_NAMES), max_size=3, unique=True)):
         headers[name] = draw(HEADER_VALUES)
     body = b"" if method in ("GET", "HEAD") else json.dumps(draw(JSON)).encode()
