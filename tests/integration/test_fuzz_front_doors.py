@@ -110,6 +110,40 @@ JSON = st.recursive(
 )  # noqa: E501
 FIELDS = ("model", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "media",
           "pruning", "stop", "n", "cache_salt", "stream_options")  # fmt: skip
+VALUES = st.one_of(st.booleans(), st.integers(-2, 8), st.text(max_size=10), JSON)
+"""A field's value: often one of the right type and size (so the request reaches what reads it), else any JSON."""
+TYPED = {
+    "max_tokens": st.integers(0, 4), "temperature": st.floats(0, 2), "top_k": st.integers(-1, 5),
+    "seed": st.integers(-(2**63), 2**63 - 1), "stream": st.booleans(), "n": st.integers(1, 3),
+    "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=2)), "echo": st.booleans(),
+    "logprobs": st.integers(0, 5), "prompt_logprobs": st.integers(-1, 3), "return_token_ids": st.booleans(),
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans(),
+                                                          "continuous_usage_stats": st.booleans()}),
+    "stop_token_ids": st.lists(st.integers(0, 300), max_size=3), "min_tokens": st.integers(0, 3),
+    "logit_bias": st.dictionaries(st.integers(-1, 300).map(str), st.floats(-100, 100), max_size=2),
+    "response_format": st.sampled_from([{"type": "json_object"}, {"type": "text"},
+                                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}]),
+    "structured_outputs": st.sampled_from([{"choice": ["a", "b"]}, {"regex": "[a-z]+"}, {"json": {}}]),
+    "add_special_tokens": st.booleans(), "return_token_strs": st.booleans(),
+    "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(),
+    "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "x"]), VALUES, max_size=2),
+    "tools": st.just([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+    "top_p": st.floats(0, 1), "cache_salt": st.text(max_size=10), "max_output_tokens": st.integers(0, 4),
+    "media": st.fixed_dictionaries({}, optional={"num_frames": st.integers(0, 9), "fps": st.floats(0, 4),
+                                                 "max_pixels": st.integers(0, 1 << 20)}),
+    "pruning": st.fixed_dictionaries({"preset": st.sampled_from(["off", "balanced", "x"])}),
+    "store": st.booleans(), "parallel_tool_calls": st.booleans(), "top_logprobs": st.integers(0, 5),
+    "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "name": "f"}]),
+    "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}]),
+    "instructions": st.text(max_size=20), "truncation": st.sampled_from(["auto", "disabled"]),
+}  # fmt: skip
+"""A value of the right type (and mostly range) for a field, drawn half the time (`field_value`)."""
+
+
+def field_value(draw, name: str, other: st.SearchStrategy) -> Any:
+    return draw(st.one_of(TYPED[name], other) if name in TYPED else other)
+
+
 URLS = st.sampled_from(["data:video/mp4;base64,", "data:video/mp4;base64,!!!!", "data:,", "data:video/mp4,raw",
                         "file:///etc/passwd", "http://127.0.0.1:1/x.mp4", "data:video/mp4;base64,AAAA", ""])  # fmt: skip
 
@@ -129,7 +163,7 @@ def chat_bodies(draw, video_url: str) -> bytes:
     }
     body["max_tokens"] = 2
     for name in draw(st.lists(st.sampled_from(FIELDS), max_size=4, unique=True)):
-        body[name] = draw(JSON)
+        body[name] = field_value(draw, name, JSON)
     return json.dumps(body).encode()
 
 
@@ -169,7 +203,7 @@ def responses_bodies(draw, video_url: str) -> bytes:
         body = {"input": items}
     body["max_output_tokens"] = 2
     for name in draw(st.lists(st.sampled_from(RESPONSES_FIELDS), max_size=4, unique=True)):
-        body[name] = draw(JSON)
+        body[name] = field_value(draw, name, JSON)
     return json.dumps(body).encode()
 
 
@@ -203,8 +237,6 @@ def test_fuzz_http_front_doors(stack, video_bytes):
 # every route's method, path, path parameter, query string and headers ---
 
 COMPLETIONS = "/v1/completions"
-VALUES = st.one_of(st.booleans(), st.integers(-2, 8), st.text(max_size=10), JSON)
-"""A field's value: often one of the right type and size (so the request reaches what reads it), else any JSON."""
 TOKEN_IDS = st.lists(st.one_of(st.integers(-2, 300), st.integers(-(2**70), 2**70), JSON_LEAF), max_size=6)
 COMPLETIONS_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_k", "seed", "stream", "stop", "n",
                       "echo", "logprobs", "prompt_logprobs", "suffix", "best_of", "min_tokens", "logit_bias",
@@ -222,29 +254,9 @@ CODINGS = st.sampled_from(
 it is under that name, ", truncated" cut short; "br" is refused before it is read."""
 
 
-TYPED = {
-    "max_tokens": st.integers(0, 4), "temperature": st.floats(0, 2), "top_k": st.integers(-1, 5),
-    "seed": st.integers(-(2**63), 2**63 - 1), "stream": st.booleans(), "n": st.integers(1, 3),
-    "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=2)), "echo": st.booleans(),
-    "logprobs": st.integers(0, 5), "prompt_logprobs": st.integers(-1, 3), "return_token_ids": st.booleans(),
-    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans(),
-                                                          "continuous_usage_stats": st.booleans()}),
-    "stop_token_ids": st.lists(st.integers(0, 300), max_size=3), "min_tokens": st.integers(0, 3),
-    "logit_bias": st.dictionaries(st.integers(-1, 300).map(str), st.floats(-100, 100), max_size=2),
-    "response_format": st.sampled_from([{"type": "json_object"}, {"type": "text"},
-                                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}]),
-    "structured_outputs": st.sampled_from([{"choice": ["a", "b"]}, {"regex": "[a-z]+"}, {"json": {}}]),
-    "add_special_tokens": st.booleans(), "return_token_strs": st.booleans(),
-    "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(),
-    "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "x"]), VALUES, max_size=2),
-    "tools": st.just([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
-}  # fmt: skip
-"""A value of the right type (and mostly range) for a field, drawn half the time (`with_fields`)."""
-
-
 def with_fields(draw, body: dict[str, Any], names: tuple[str, ...]) -> bytes:
     for name in draw(st.lists(st.sampled_from(names), max_size=4, unique=True)):
-        body[name] = draw(st.one_of(TYPED[name], VALUES) if name in TYPED else VALUES)
+        body[name] = field_value(draw, name, VALUES)
     return json.dumps(body).encode()
 
 
