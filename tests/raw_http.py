@@ -48,8 +48,9 @@ class Connection:
         """One chunk of a `Transfer-Encoding: chunked` body (b"" ends the body)."""
         await self.send(f"{len(data):x}\r\n".encode() + data + b"\r\n")
 
-    async def read_response(self) -> Response:
-        """The next response, interim ones (100 Continue) included."""
+    async def read_response(self, head: bool = False) -> Response:
+        """The next response, interim ones (100 Continue) included; `head`: the answer to a HEAD,
+        whose Content-Length is its GET's, with no body."""
         status_line = await self.reader.readline()
         if not status_line:
             raise ConnectionError("the server closed the connection without a response")
@@ -58,7 +59,7 @@ class Connection:
         while (line := await self.reader.readline()) not in (b"\r\n", b"\n", b""):
             name, _, value = line.decode("latin-1").partition(":")
             headers[name.strip().lower()] = value.strip()
-        if status < 200:
+        if status < 200 or head:
             return Response(status, headers, b"")
         if "content-length" in headers:
             body = await self.reader.readexactly(int(headers["content-length"]))
@@ -89,6 +90,6 @@ async def request(
         head = {"Content-Type": "application/json", "Content-Length": str(len(body)), "Connection": "close"}
         await conn.send_head(method, path, {**head, **(headers or {})})
         await conn.send(body)
-        return await conn.read_response()
+        return await conn.read_response(head=method == "HEAD")
     finally:
         await conn.close()

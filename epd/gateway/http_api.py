@@ -177,7 +177,10 @@ class HttpApi:
         add_demo_routes(app, self.config, self.max_body_bytes)  # the web demo: GET /, /static/*, /demo/*
         # Last: every other path. aiohttp answers an unrouted request's Expect header itself, before
         # any middleware (plain text, no request id); a route of ours keeps it in the middleware.
-        app.router.add_route("*", "/{path:.*}", self._unrouted, name=UNROUTED, expect_handler=defer_continue)
+        # [\s\S]: any character, a newline (%0A) too, which `.` does not match.
+        app.router.add_route(
+            "*", r"/{path:[\s\S]*}", self._unrouted, name=UNROUTED, expect_handler=defer_continue
+        )
         return app
 
     async def cut_requests_in_flight(self, timeout_s: float, hurried: bool = False) -> None:

@@ -1,9 +1,13 @@
-"""Property-based fuzzing (Hypothesis) of the gateway's two front doors against one real stack:
-random JSON bodies on the HTTP API (/v1/chat/completions and /v1/responses, sharing one budget of
-examples) and random message streams on the gRPC Ask stream. Properties: every answer is a success or a documented error (HTTP 4xx JSON / a gRPC
-status from DOCUMENTED_CODES, never 5xx, UNKNOWN or INTERNAL), no message leaks a traceback or an
-internal path, every call ends within its timeout, and afterwards the stack is healthy and answers
-a normal request.
+"""Property-based fuzzing (Hypothesis) of the gateway's front doors against one real stack:
+random JSON bodies on the HTTP API (/v1/chat/completions and /v1/responses sharing one budget of
+examples; /v1/completions, /tokenize, /detokenize and the web demo's /demo/frames another, their
+bodies sent as they are, compressed, or under a coding they are not), every route and any other
+path by any method with junk path parameters, query strings and headers, random message streams
+on the gRPC Ask stream, and each stage's RPCs. Properties: every answer is a success or a
+documented error (HTTP < 500 with a JSON error.message / a gRPC status from DOCUMENTED_CODES, never
+5xx, UNKNOWN or INTERNAL), no message leaks a traceback or an internal path, no file outside the
+page's and the samples' is served, every call ends within its timeout, and afterwards the stack is
+healthy and answers a normal request.
 
 Seeded (derandomize) and bounded so CI stays fast; for a longer local run raise the number of
 examples: EPD_FUZZ_EXAMPLES=2000 pytest tests/integration/test_fuzz_front_doors.py"""
@@ -12,9 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import json
 import os
+import zlib
 from typing import Any
+from urllib.parse import quote, urlencode
 
 import grpc
 import pytest
@@ -103,6 +110,40 @@ JSON = st.recursive(
 )  # noqa: E501
 FIELDS = ("model", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "media",
           "pruning", "stop", "n", "cache_salt", "stream_options")  # fmt: skip
+VALUES = st.one_of(st.booleans(), st.integers(-2, 8), st.text(max_size=10), JSON)
+"""A field's value: often one of the right type and size (so the request reaches what reads it), else any JSON."""
+TYPED = {
+    "max_tokens": st.integers(0, 4), "temperature": st.floats(0, 2), "top_k": st.integers(-1, 5),
+    "seed": st.integers(-(2**63), 2**63 - 1), "stream": st.booleans(), "n": st.integers(1, 3),
+    "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=2)), "echo": st.booleans(),
+    "logprobs": st.integers(0, 5), "prompt_logprobs": st.integers(-1, 3), "return_token_ids": st.booleans(),
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans(),
+                                                          "continuous_usage_stats": st.booleans()}),
+    "stop_token_ids": st.lists(st.integers(0, 300), max_size=3), "min_tokens": st.integers(0, 3),
+    "logit_bias": st.dictionaries(st.integers(-1, 300).map(str), st.floats(-100, 100), max_size=2),
+    "response_format": st.sampled_from([{"type": "json_object"}, {"type": "text"},
+                                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}]),
+    "structured_outputs": st.sampled_from([{"choice": ["a", "b"]}, {"regex": "[a-z]+"}, {"json": {}}]),
+    "add_special_tokens": st.booleans(), "return_token_strs": st.booleans(),
+    "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(),
+    "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "x"]), VALUES, max_size=2),
+    "tools": st.just([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+    "top_p": st.floats(0, 1), "cache_salt": st.text(max_size=10), "max_output_tokens": st.integers(0, 4),
+    "media": st.fixed_dictionaries({}, optional={"num_frames": st.integers(0, 9), "fps": st.floats(0, 4),
+                                                 "max_pixels": st.integers(0, 1 << 20)}),
+    "pruning": st.fixed_dictionaries({"preset": st.sampled_from(["off", "balanced", "x"])}),
+    "store": st.booleans(), "parallel_tool_calls": st.booleans(), "top_logprobs": st.integers(0, 5),
+    "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "name": "f"}]),
+    "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}]),
+    "instructions": st.text(max_size=20), "truncation": st.sampled_from(["auto", "disabled"]),
+}  # fmt: skip
+"""A value of the right type (and mostly range) for a field, drawn half the time (`field_value`)."""
+
+
+def field_value(draw, name: str, other: st.SearchStrategy) -> Any:
+    return draw(st.one_of(TYPED[name], other) if name in TYPED else other)
+
+
 URLS = st.sampled_from(["data:video/mp4;base64,", "data:video/mp4;base64,!!!!", "data:,", "data:video/mp4,raw",
                         "file:///etc/passwd", "http://127.0.0.1:1/x.mp4", "data:video/mp4;base64,AAAA", ""])  # fmt: skip
 
@@ -122,7 +163,7 @@ def chat_bodies(draw, video_url: str) -> bytes:
     }
     body["max_tokens"] = 2
     for name in draw(st.lists(st.sampled_from(FIELDS), max_size=4, unique=True)):
-        body[name] = draw(JSON)
+        body[name] = field_value(draw, name, JSON)
     return json.dumps(body).encode()
 
 
@@ -162,7 +203,7 @@ def responses_bodies(draw, video_url: str) -> bytes:
         body = {"input": items}
     body["max_output_tokens"] = 2
     for name in draw(st.lists(st.sampled_from(RESPONSES_FIELDS), max_size=4, unique=True)):
-        body[name] = draw(JSON)
+        body[name] = field_value(draw, name, JSON)
     return json.dumps(body).encode()
 
 
@@ -187,6 +228,191 @@ def test_fuzz_http_front_doors(stack, video_bytes):
         assert_no_leak(text)
         if response.status >= 400:
             assert response.json()["error"]["message"]
+
+    run()
+
+
+# --- the other HTTP routes: the JSON bodies of /v1/completions, /tokenize, /detokenize and the web
+# demo's /demo/frames (sent as they are, gzip'd or deflated, or with a coding they are not), then
+# every route's method, path, path parameter, query string and headers ---
+
+COMPLETIONS = "/v1/completions"
+TOKEN_IDS = st.lists(st.one_of(st.integers(-2, 300), st.integers(-(2**70), 2**70), JSON_LEAF), max_size=6)
+COMPLETIONS_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_k", "seed", "stream", "stop", "n",
+                      "echo", "logprobs", "prompt_logprobs", "suffix", "best_of", "min_tokens", "logit_bias",
+                      "stream_options", "response_format", "structured_outputs", "request_id",
+                      "return_token_ids", "stop_token_ids", "add_special_tokens")  # fmt: skip
+TOKENIZE_FIELDS = ("model", "prompt", "messages", "add_special_tokens", "return_token_strs", "add_generation_prompt",
+                   "continue_final_message", "chat_template_kwargs", "chat_template", "tools", "tool_choice",
+                   "mm_processor_kwargs")  # fmt: skip
+MEDIA_FIELDS = ("fps", "max_frames", "min_frames", "num_frames", "max_pixels", "start_time_s", "end_time_s",
+                "x")  # fmt: skip
+CODINGS = st.sampled_from(
+    ["", "", "", "", "identity", "gzip", "deflate", "gzip, not", "deflate, truncated", "br"]
+)
+"""The body's Content-Encoding, mostly none: "gzip" and "deflate" compress it; ", not" sends it as
+it is under that name, ", truncated" cut short; "br" is refused before it is read."""
+
+
+def with_fields(draw, body: dict[str, Any], names: tuple[str, ...]) -> bytes:
+    for name in draw(st.lists(st.sampled_from(names), max_size=4, unique=True)):
+        body[name] = field_value(draw, name, VALUES)
+    return json.dumps(body).encode()
+
+
+@st.composite
+def completions_bodies(draw) -> bytes:
+    prompt = st.one_of(st.text(min_size=1, max_size=30), st.lists(st.integers(0, 300), min_size=1, max_size=6),
+                       TOKEN_IDS, st.lists(TOKEN_IDS, max_size=2), st.lists(st.text(max_size=8), max_size=2))  # fmt: skip
+    return with_fields(draw, {"prompt": draw(prompt), "max_tokens": 2}, COMPLETIONS_FIELDS)
+
+
+@st.composite
+def tokenize_bodies(draw) -> bytes:
+    if draw(st.booleans()):
+        return with_fields(draw, {"prompt": draw(st.text(max_size=40))}, TOKENIZE_FIELDS)
+    part = st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "video_url", "image_url", "x"]), "text": st.text(max_size=20)}
+    )
+    content = draw(st.one_of(st.text(max_size=30), st.lists(part, max_size=2)))
+    role = draw(st.sampled_from(["user", "system", "assistant", "tool", "x"]))
+    return with_fields(draw, {"messages": [{"role": role, "content": content}]}, TOKENIZE_FIELDS)
+
+
+@st.composite
+def detokenize_bodies(draw) -> bytes:
+    return with_fields(draw, {"tokens": draw(TOKEN_IDS)}, ("model", "tokens"))
+
+
+@st.composite
+def frames_bodies(draw, video_url: str) -> bytes:
+    body: dict[str, Any] = {"video_url": draw(st.one_of(st.just(video_url), URLS, JSON))}
+    if draw(st.booleans()):
+        names = draw(st.lists(st.sampled_from(MEDIA_FIELDS), max_size=3))
+        body["media"] = {name: draw(VALUES) for name in names}
+    return with_fields(draw, body, ("media", "video_url", "model"))
+
+
+def encoded(body: bytes, coding: str) -> bytes:
+    name, _, how = coding.partition(", ")
+    if how == "not" or name not in ("gzip", "deflate"):
+        return body
+    packed = gzip.compress(body) if name == "gzip" else zlib.compress(body)
+    return packed[: len(packed) // 2] if how == "truncated" else packed
+
+
+AUTHS = st.sampled_from(["key", "key", "key", "key", "key", "key", "none", "wrong"])
+"""Mostly the API key, else none or a wrong one (`auth_headers`)."""
+
+
+def auth_headers(auth: str) -> dict[str, str | bytes]:
+    return AUTH if auth == "key" else {} if auth == "none" else {"Authorization": f"Bearer {API_KEY}x"}
+
+
+def assert_answer(response, authed: bool = True) -> None:
+    """A success or a documented error: under 500, an error's JSON message, no leak; 401 without the key."""
+    text = response.body.decode("utf-8", "replace")
+    assert response.status < 500, (response.status, text[:1000])
+    assert_no_leak(text)
+    if response.status >= 400:
+        assert response.json()["error"]["message"]
+    if not authed:
+        assert response.status == 401, (response.status, text[:1000])
+
+
+def test_fuzz_http_json_routes(stack, video_bytes):
+    """/v1/completions, /tokenize, /detokenize and /demo/frames, one budget of examples between them."""
+    video_url = "data:video/mp4;base64," + base64.b64encode(video_bytes).decode()
+    junk = st.one_of(JSON.map(lambda value: json.dumps(value).encode()), st.binary(max_size=200))
+
+    @FUZZ
+    @given(
+        call=st.one_of(
+            st.tuples(st.just(COMPLETIONS), completions_bodies() | junk),
+            st.tuples(st.just("/tokenize"), tokenize_bodies() | junk),
+            st.tuples(st.just("/detokenize"), detokenize_bodies() | junk),
+            st.tuples(st.just("/demo/frames"), frames_bodies(video_url) | junk),
+        ),
+        coding=CODINGS,
+        auth=AUTHS,
+    )
+    def run(call: tuple[str, bytes], coding: str, auth: str) -> None:
+        path, body = call
+        headers = {**auth_headers(auth), **({"Content-Encoding": coding.partition(",")[0]} if coding else {})}
+        response = asyncio.run(
+            asyncio.wait_for(
+                request(stack.http_port, "POST", path, encoded(body, coding), headers), CALL_TIMEOUT_S
+            )
+        )
+        assert_answer(response, authed=auth == "key")
+
+    run()
+
+
+METHODS = st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "TRACE", "PROPFIND"])
+"""Methods aiohttp's parser knows: one it does not (FOO), like a malformed request line, is answered
+by the parser with a plain-text 400 before any route or middleware (docs/security.md "Fuzzing")."""
+ROUTES = ("/", "/health", "/ping", "/version", "/metrics", "/v1/models", "/demo/samples", "/static/app.js",
+          CHAT, COMPLETIONS, RESPONSES, "/tokenize", "/detokenize", "/demo/frames")  # fmt: skip
+PARAM_PREFIXES = ("/v1/models/", "/demo/samples/", "/static/", "/", "/v1/", "/v1/responses/", "/demo/")
+SEGMENTS = st.one_of(
+    st.text(max_size=20).map(lambda text: quote(text, safe="")),
+    st.sampled_from(["..", "%2e%2e", "%2E%2E%2F..", "..%2f..%2f..%2f..%2fetc%2fpasswd", ".%00.", "%00", ".", "",
+                     "%", "%zz", "~", "index.html", "app.js", "sample.mp4", "sample.json", "epd", "..%5c..",
+                     "cancel", "input_items", "%C0%AE%C0%AE", "a;b=c", "?", "#"]),
+)  # fmt: skip
+"""A path parameter: any text percent-encoded, or a traversal, a bad escape, a real file's name."""
+QUERIES = st.one_of(
+    st.just(""),
+    st.lists(st.tuples(st.text(max_size=10), st.text(max_size=10)), max_size=3).map(lambda q: "?" + urlencode(q)),
+    st.text(max_size=30).map(lambda text: "?" + quote(text, safe="=&%;/?")),
+)  # fmt: skip
+HEADER_VALUES = st.one_of(
+    st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=40),
+    st.sampled_from(["", "application/json", "text/plain", "multipart/form-data; boundary=x", "gzip", "br",
+                     "100-continue", "cross-site", "same-origin", "https://evil.example", "0", "-1", "chunked"]),
+)  # fmt: skip
+HEADER_NAMES = ("Authorization", "X-Request-Id", "Content-Type", "Content-Encoding", "Expect", "Origin",
+                "Sec-Fetch-Site", "Accept", "Accept-Encoding", "Range", "If-Modified-Since", "Cookie")  # fmt: skip
+SERVED_ELSEWHERE = ("root:x:0:", "from __future__", "import ", "BEGIN ", "PRIVATE KEY")
+"""Text of a file no route serves (/etc/passwd, the gateway's source, a key): never in an answer."""
+
+
+@st.composite
+def http_requests(draw) -> tuple[str, str, dict[str, str | bytes], bytes]:
+    if draw(st.booleans()):
+        path = draw(st.sampled_from(ROUTES))
+    else:
+        segments = draw(st.lists(SEGMENTS, min_size=1, max_size=3))
+        path = draw(st.sampled_from(PARAM_PREFIXES)) + "/".join(segments)
+    path += draw(QUERIES)
+    method = draw(METHODS)
+    headers: dict[str, str | bytes] = {**auth_headers(draw(AUTHS))}
+    for name in draw(st.lists(st.sampled_from(HEADER_NAMES), max_size=3, unique=True)):
+        headers[name] = draw(HEADER_VALUES)
+    body = b"" if method in ("GET", "HEAD") else json.dumps(draw(JSON)).encode()
+    return method, path, headers, body
+
+
+def test_fuzz_http_routes_paths_queries_headers(stack):
+    """Every route and any other path, by any method, with junk path parameters, query strings and
+    headers: a documented answer that serves nothing from outside the static and sample files."""
+
+    @FUZZ
+    @given(call=http_requests())
+    def run(call: tuple[str, str, dict[str, str | bytes], bytes]) -> None:
+        method, path, headers, body = call
+        response = asyncio.run(
+            asyncio.wait_for(request(stack.http_port, method, path, body, headers), CALL_TIMEOUT_S)
+        )
+        text = response.body.decode("utf-8", "replace")
+        assert response.status < 500, (method, path, response.status, text[:1000])
+        if "json" in response.headers.get("content-type", ""):  # not the page's script ("Error(")
+            assert_no_leak(text)
+        if response.status >= 400 and method != "HEAD":
+            assert response.json()["error"]["message"], (method, path, text[:1000])
+        for secret in SERVED_ELSEWHERE:
+            assert secret not in text, (method, path, text[:1000])
 
     run()
 

@@ -3,7 +3,8 @@
     GET  /                        the page (static/index.html; plain HTML/CSS/JS, no build, no CDN),
                                   served, as every response, with `SECURITY_HEADERS` (a CSP of
                                   its own origin only, no framing, nosniff)
-    GET  /static/{file}           its script and style sheet
+    GET  /static/{name}           its script and style sheet (the files of static/ by name only;
+                                  any other name, a path or a traversal is the API's JSON 404)
     GET  /demo/samples            the bundled samples (samples/): name, kind, size, suggested questions
     GET  /demo/samples/{name}     one sample's bytes
     POST /demo/frames             {"video_url": "data:...", "media": {...}} -> the frames the
@@ -24,6 +25,7 @@ usage chunk's `prompt_tokens_details.cached_tokens` shows what prefill's prefix 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -39,8 +41,7 @@ from epd.gateway.admission import max_body_bytes as gateway_max_body_bytes
 from epd.gateway.chat_request import parse_chat_request
 from epd.gateway.config import GatewayConfig
 from epd.gateway.http_body import TICKET_KEY, defer_continue, read_json_body
-from epd.gateway.http_error_responses import exception_response
-from epd.gateway.http_errors import error_body
+from epd.gateway.http_error_responses import exception_response, json_error
 from epd.gateway.media_fetch import load_media
 from epd.gateway.web.demo_decodes import DemoDecodes
 from epd.model_runtime.sampling import GenerationConfig
@@ -49,6 +50,8 @@ from epd.stages.errors import InvalidRequest
 from epd.video.types import DecodeCancelled, DecodeLimits, SamplingOptions
 
 STATIC_DIR = Path(__file__).parent / "static"
+STATIC_FILES = frozenset(path.name for path in STATIC_DIR.iterdir() if path.is_file())
+"""What GET /static/{name} serves, by name."""
 SAMPLES_DIR = shipped("samples")
 THUMBNAIL_MAX_SIDE = 192
 """Longest side of a frame thumbnail, in pixels."""
@@ -81,7 +84,8 @@ def add_demo_routes(
 ) -> None:
     demo = WebDemo(config, samples_dir, max_body_bytes or gateway_max_body_bytes(config.max_upload_bytes))
     app.router.add_get("/", demo.index, expect_handler=defer_continue)
-    app.router.add_static("/static/", STATIC_DIR, expect_handler=defer_continue)
+    # Not aiohttp's add_static, whose FileResponse answered a missing file late (`file_answer`).
+    app.router.add_get("/static/{name}", demo.static_file, expect_handler=defer_continue)
     app.router.add_get("/demo/samples", demo.samples, expect_handler=defer_continue)
     app.router.add_get("/demo/samples/{name}", demo.sample, expect_handler=defer_continue)
     app.router.add_post("/demo/frames", demo.frames, expect_handler=defer_continue)
@@ -106,20 +110,25 @@ class WebDemo:
         self.decodes = DemoDecodes(config.http.demo.max_concurrent_decodes)
         self.limits = replace(config.http.demo.limits, max_bytes=config.max_upload_bytes)
 
-    async def index(self, request: web.Request) -> web.FileResponse:
-        return web.FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+    async def index(self, request: web.Request) -> web.Response:
+        return await file_answer(STATIC_DIR / "index.html", {"Cache-Control": "no-cache"})
 
     async def samples(self, request: web.Request) -> web.Response:
         return web.json_response({"samples": list_samples(self.samples_dir)})
+
+    async def static_file(self, request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        if name not in STATIC_FILES:  # only the page's files: no path ever comes from the URL
+            return json_error(404, f"no file named {name[:200]!r} in /static/", "not_found_error")
+        return await file_answer(STATIC_DIR / name)
 
     async def sample(self, request: web.Request) -> web.StreamResponse:
         name = request.match_info["name"]
         names = {s["name"] for s in list_samples(self.samples_dir)}
         if name not in names:  # only listed files: no path ever comes from the URL
-            return web.json_response(
-                error_body(f"no sample named {name!r}", "not_found_error", 404), status=404
-            )
-        return web.FileResponse(self.samples_dir / name)
+            message = f"no sample named {name[:200]!r}; GET /demo/samples lists them"
+            return json_error(404, message, "not_found_error")
+        return await file_answer(self.samples_dir / name)
 
     async def frames(self, request: web.Request) -> web.Response:
         """Behind the API key with /v1/* (the HTTP API's middleware checks it before admission)."""
@@ -140,6 +149,19 @@ class WebDemo:
             return web.json_response(thumbnails)
         except Exception as exc:  # noqa: BLE001 - mapped like the OpenAI API's errors
             return exception_response(exc)
+
+
+async def file_answer(path: Path, headers: dict[str, str] | None = None) -> web.Response:
+    """A page file or a bundled sample (tens of kB), whole, with its status final before the HTTP
+    API's middleware logs and counts it. aiohttp's FileResponse decided its 404 (no such file) or
+    416 (a Range header it could not read) only as it was sent, after both: an empty body of no
+    JSON, counted as a 200. Range and conditional headers are ignored, as RFC 9110 allows: 200."""
+    try:
+        body = await asyncio.to_thread(path.read_bytes)
+    except OSError:  # a sample removed since it was listed
+        return json_error(404, f"{path.name!r} is gone", "not_found_error")
+    content_type = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+    return web.Response(body=body, content_type=content_type, headers=headers)
 
 
 def _frames_request(body: Any, config: GatewayConfig) -> tuple[SamplingOptions, str]:

@@ -393,11 +393,14 @@ def test_gzip_and_deflate_bodies_are_read():
         ("GET", "/health"),
         ("POST", "/v2/nothing"),
         ("POST", "/v1/models"),
+        ("GET", "/v1/models/%0A"),
+        ("GET", "/%0A/x"),
     ],
 )
 def test_an_unsupported_expect_is_417_json_with_the_request_id_on_every_route(method, path):
     """It was answered outside the middleware: aiohttp's plain text on GET routes and on paths (or
-    methods) no route takes, and no request id (neither in the message nor as x-request-id)."""
+    methods) no route takes, and no request id (neither in the message nor as x-request-id). A
+    path with a newline (%0A) was matched by no route, the catch-all's `.*` included."""
 
     async def run(port, admission):
         return await request(port, method, path, b"{}", {"Expect": "foo", "x-request-id": "expect-test-1"})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import re
 
 import aiohttp
@@ -62,6 +63,72 @@ def test_page_static_files_and_samples():
     assert len(out["/demo/samples/sample.mp4"][1]) == samples["sample.mp4"]["num_bytes"]
     assert out["/demo/samples/..%2Fpyproject.toml"][0] == 404
     assert out["/demo/samples/nope.mp4"][0] == 404
+
+
+def test_a_missing_static_file_or_sample_is_a_json_404_counted_as_one():
+    """aiohttp's add_static answered a name it has no file for with an empty octet-stream 404, set
+    only as its FileResponse was sent: after the middleware had logged and counted it as a 200,
+    with no JSON error and no request id. A missing sample's 404 named no request id either."""
+    paths = (
+        "/static/nope.js",
+        "/static/..%2Fhttp_api.py",
+        "/static/%25",
+        "/static/app.js%00",
+        "/demo/samples/nope.mp4",
+    )
+
+    async def calls(session):
+        out = {}
+        for method in ("GET", "HEAD"):
+            for path in paths:
+                async with session.request(method, path) as resp:
+                    out[method, path] = (resp.status, await resp.read())
+        async with session.get("/metrics") as resp:
+            return out, await resp.text()
+
+    out, metrics = asyncio.run(_session("", calls))
+    for (method, path), (status, body) in out.items():
+        assert status == 404, (method, path, status)
+        if method == "GET":
+            message = json.loads(body)["error"]["message"]
+            assert "no " in message and "request id" in message, (path, message)
+    counted = re.findall(
+        r'epd_http_responses_total\{code="(\d+)",route="(/static[^"]*|/demo/samples[^"]*)"\} (\S+)', metrics
+    )
+    assert {(code, float(n)) for code, _, n in counted} == {("404", 8.0), ("404", 2.0)}, counted
+
+
+def test_a_page_file_or_sample_is_answered_whole_whatever_its_range_header():
+    """A Range header aiohttp's FileResponse could not read or meet ("{", bytes past the end) was
+    an empty 416 of no JSON, decided as it was sent: counted as a 200. Range is ignored (RFC 9110
+    allows it; the page fetches its files whole): the whole file, 200, counted as one."""
+    paths = ("/", "/static/app.js", "/demo/samples/sample.png")
+
+    async def calls(session):
+        out = {}
+        for path in paths:
+            for value in ("{", "bytes=999999999-", "bytes=5-1", "bytes=0-3"):
+                async with session.get(path, headers={"Range": value}) as resp:
+                    out[path, value] = (
+                        resp.status,
+                        len(await resp.read()),
+                        resp.headers.get("Content-Range"),
+                    )
+            async with session.get(path) as resp:
+                out[path] = len(await resp.read())
+        async with session.get("/metrics") as resp:
+            return out, await resp.text()
+
+    out, metrics = asyncio.run(_session("", calls))
+    for key, answer in out.items():
+        if isinstance(key, tuple):
+            assert answer == (200, out[key[0]], None), (key, answer)
+    counted = re.findall(
+        r'epd_http_responses_total\{code="(\d+)",route="(/|/static[^"]*|/demo/samples[^"]*)"\} (\S+)', metrics
+    )
+    assert sorted(counted) == [
+        ("200", route, "5.0") for route in ("/", "/demo/samples/{name}", "/static/{name}")
+    ]
 
 
 def test_every_response_forbids_framing_sniffing_and_other_origins():
