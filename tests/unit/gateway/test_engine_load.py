@@ -250,3 +250,35 @@ def test_gauges_are_empty_before_the_first_scrape():
     text = metrics.render()
     assert "# TYPE epd_engine_steps_total counter" in text
     assert "epd_engine_steps_total{" not in text
+
+
+def test_routing_reads_the_loads_of_the_stages_with_more_than_one_replica_only():
+    """Routing chooses by load only among several replicas: a stage with one is not read (it was,
+    every --load-refresh-interval, idle or not: an RPC each half second in the default stack),
+    and keeps no report from when it had more; each replica of a stage with two is read."""
+    from epd.gateway.engine_load import refresh_routing_loads
+
+    async def scenario() -> list[int]:
+        servers, addresses = [], []
+        for running in (2, 5, 7):  # encoder replicas a and b, the one prefill replica
+            stage = FakeStage(EngineLoad("core", num_running=running))
+            server = grpc.aio.server()
+            with_load_service(lambda s: None, lambda stage=stage: stage_loads(stage))(server)
+            addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+            await server.start()
+            servers.append(server)
+        a, b, single = addresses
+        pools = {"encoder": ReplicaPool([a, b]), "prefill": ReplicaPool([single])}
+        pools["prefill"].chooser.set_load(single, 9)  # reported while the stage had two replicas
+        try:
+            await refresh_routing_loads(pools, timeout_s=30.0)
+            return [pools["encoder"].chooser.load(a), pools["encoder"].chooser.load(b)] + [
+                pools["prefill"].chooser.load(single)
+            ]
+        finally:
+            for pool in pools.values():
+                await pool.close()
+            for server in servers:
+                await server.stop(0)
+
+    assert asyncio.run(scenario()) == [2, 5, 0]
