@@ -16,7 +16,8 @@ label too).
 `watch_loads` reads the same loads in the background for routing: every replica's running +
 waiting requests go to its pool's chooser, so that calls without media affinity go to the least
 loaded replica and a keyed call avoids an overloaded home (`epd.transport.affinity`); only of the
-stages with more than one replica, as there is nothing to choose between otherwise.
+stages with more than one replica, as there is nothing to choose between otherwise, and only while
+the gateway has calls open: idle, it reads once more and then waits for the next call to begin.
 
 The sources are listed again at each scrape: a remote stage's are its pool's replicas at that
 moment, each over the channel its calls use, so they follow the replica file (`--replicas-file`):
@@ -159,12 +160,32 @@ async def refresh_routing_loads(pools: Mapping[str, ReplicaPool], timeout_s: flo
 
 
 async def watch_loads(pools: Mapping[str, ReplicaPool], interval_s: float = ROUTING_LOAD_INTERVAL_S) -> None:
-    """`refresh_routing_loads` every `interval_s` until cancelled (0: never)."""
+    """`refresh_routing_loads` every `interval_s` while the gateway has stage calls open, until
+    cancelled (0: never). Once a read that began with none open ends with none begun since, the
+    next read waits for a call to begin (`ReplicaPool.call_began`) and is made at once: loads
+    choose where calls go, and an idle gateway read them twice a second for nothing (that last
+    read, with none of ours open, is the others' load: other gateways', the stages' own)."""
     if interval_s <= 0 or not pools:
         return
     while True:
+        for pool in pools.values():
+            pool.call_began.clear()
+        idle = not any(pool.chooser.calls_open() for pool in pools.values())
         await refresh_routing_loads(pools, min(interval_s, LOAD_TIMEOUT_S))
-        await asyncio.sleep(interval_s)
+        if idle and not any(pool.call_began.is_set() for pool in pools.values()):
+            await _first_call(pools)
+        else:
+            await asyncio.sleep(interval_s)
+
+
+async def _first_call(pools: Mapping[str, ReplicaPool]) -> None:
+    """Until a call begins in any of `pools`."""
+    waits = [asyncio.ensure_future(pool.call_began.wait()) for pool in pools.values()]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
 
 
 _GAUGES = [

@@ -243,6 +243,10 @@ class ReplicaChooser:
     def in_flight(self, replica: str) -> int:
         return self._in_flight.get(replica, 0)
 
+    def calls_open(self) -> int:
+        """Calls this gateway has open to the stage, to any replica (removed ones' too)."""
+        return sum(self._in_flight.values())
+
     def load(self, replica: str) -> int:
         """Work at `replica` as this gateway sees it: the larger of its report and our calls."""
         return max(self._reported.get(replica, 0), self._in_flight.get(replica, 0))
