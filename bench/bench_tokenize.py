@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from epd.cmdline.secret_flags import hide_secrets_from_ps
+
 DEFAULT_PROMPT = (
     "You are looking at a short video of coloured shapes moving on a plain background. "
     "Describe which shapes appear, in which order, where each one moves and what happens at the end."
@@ -193,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=60.0)
     p.add_argument("--output-json", default="", help="also write every latency here")
     args = p.parse_args(argv)
+    if argv is None:  # its own command line: an --api-key must not show in `ps`
+        hide_secrets_from_ps("python bench/bench_tokenize.py")
     if args.num_calls < 1 or not 1 <= args.rounds <= args.num_calls:
         p.error("--num-calls must be >= 1 and --rounds between 1 and --num-calls")
     results = asyncio.run(run(args))

@@ -123,7 +123,7 @@ def role_of(cmdline: list[str]) -> str:
     )
     if role:
         return role
-    if "serve" in words and "epd.cli.main" in " ".join(words):
+    if "serve" in words and ("epd.cli.main" in words or any(Path(w).name == "epd" for w in words[:2])):
         return "epd launcher"
     if "transformers_serve_launcher" in " ".join(words):
         return "transformers serve"

@@ -60,6 +60,7 @@ from epd.bench.serve_report import ratio_table, sweep_table, write_plot
 from epd.bench.serve_requests import DEFAULT_QUESTIONS, RequestResult, summarize
 from epd.cmdline.flexible import add_config_flag, parse_flexibly
 from epd.cmdline.keyword_help import add_keyword_help
+from epd.cmdline.secret_flags import hide_secrets_from_ps
 from epd.resources import sample_video
 
 
@@ -238,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     args = parse_flexibly(build_parser(), argv)  # --config FILE.yaml, --flag_name: as `epd bench serve`
+    if argv is None:  # run as a module: its own command line (`epd bench serve`'s is hidden by epd)
+        hide_secrets_from_ps("python -m epd.bench.serve")
     levels: list[int] = args.concurrency
     target = None
     if args.openai:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from epd.cli.flags.arg_types import ANY_FREE_PORT
-from epd.cli.health import health_answer, is_serving
+from epd.cli.health import HealthChannels, answer_on, is_serving
 from epd.cli.port_holder import port_holder, port_taken
 from epd.cli.process_exit import EXIT_FAILED, EXIT_MODEL, EXIT_OK, EXIT_USAGE
 from epd.cli.stack_commands import (
@@ -251,6 +251,7 @@ def _supervise(
     next_check_at = 0.0
     # Not waited for on the way out: a check of a silent service would hold a signal up.
     pool = ThreadPoolExecutor(max_workers=len(slots), thread_name_prefix="epd-health")
+    channels = HealthChannels()  # one per service process, kept from one check to the next
     try:
         while not signals.stop.wait(_POLL_S):
             now = time.monotonic()
@@ -262,10 +263,12 @@ def _supervise(
                         return stop
             if not checks and now >= next_check_at:
                 next_check_at = now + _HEALTH_INTERVAL_S
-                checks = {  # not one moved that has not bound yet: its old port is another's
-                    i: pool.submit(health_answer, s.address, timeout_s=_HEALTH_CHECK_TIMEOUT_S)
-                    for i, s in enumerate(slots)
-                    if s.replica.running and not s.ports_file
+                # Not one moved that has not bound yet: its old port is another's.
+                asked = [i for i, s in enumerate(slots) if s.replica.running and not s.ports_file]
+                processes = [(slots[i].address, _pid(slots[i])) for i in asked]
+                checks = {
+                    i: pool.submit(answer_on, channel, _HEALTH_CHECK_TIMEOUT_S)
+                    for i, channel in zip(asked, channels.channels(processes))
                 }
             if checks and all(f.done() for f in checks.values()):
                 if (stop := _on_health(slots, checks, time.monotonic())) is not None:
@@ -291,7 +294,13 @@ def _supervise(
                         return stop
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
+        channels.close()  # a check still in flight ends CANCELLED: no answer, read by no one
     return EXIT_OK
+
+
+def _pid(slot: _Slot) -> int:
+    assert slot.proc is not None  # running
+    return slot.proc.pid
 
 
 def _restart(slot: _Slot, start: Callable[[_Slot], Service], now: float, replicas_file: str) -> None:

@@ -11,8 +11,8 @@ from epd.cli.flags.modes import command_parser, command_tokens, ignored_flags_pr
 from epd.cli.parsers.root import bench_suite_parser, build_parser
 from epd.cli.parsers.serve import flags_before_role
 from epd.cli.preload import ensure_preloads, preload_choices
-from epd.cli.secret_flags import hide_secrets_from_ps
 from epd.cmdline.flexible import dashed_flags, vllm_spellings_read
+from epd.cmdline.secret_flags import hide_secrets_from_ps
 
 
 def parse_command(argv: list[str] | None = None) -> argparse.Namespace:

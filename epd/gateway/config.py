@@ -325,8 +325,9 @@ class GatewayConfig:
     """Requests a media call's home replica may have beyond the least loaded replica before the
     call goes to its next choice (`epd.transport.affinity.MAX_EXCESS_LOAD`)."""
     load_refresh_interval_s: float = 0.5
-    """Seconds between reads of every replica's load (LoadService.GetLoad) for routing; 0 = only
-    the gateway's own calls in flight count."""
+    """Seconds between reads of the replicas' loads (LoadService.GetLoad) for routing, of the
+    stages with more than one replica, while the gateway has stage calls open
+    (`epd.gateway.engine_load.watch_loads`); 0 = only the gateway's own calls in flight count."""
     stage_timeout_s: float = 600.0
     """Deadline of each call to a stage, retries on other replicas included."""
     stage_attempt_timeout_s: float = 120.0

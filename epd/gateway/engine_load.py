@@ -15,7 +15,9 @@ label too).
 
 `watch_loads` reads the same loads in the background for routing: every replica's running +
 waiting requests go to its pool's chooser, so that calls without media affinity go to the least
-loaded replica and a keyed call avoids an overloaded home (`epd.transport.affinity`).
+loaded replica and a keyed call avoids an overloaded home (`epd.transport.affinity`); only of the
+stages with more than one replica, as there is nothing to choose between otherwise, and only while
+the gateway has calls open: idle, it reads once more and then waits for the next call to begin.
 
 The sources are listed again at each scrape: a remote stage's are its pool's replicas at that
 moment, each over the channel its calls use, so they follow the replica file (`--replicas-file`):
@@ -53,7 +55,8 @@ LOAD_TIMEOUT_S = 1.0
 """How long a scrape waits for a stage's load; /metrics must answer even when a stage is down."""
 
 ROUTING_LOAD_INTERVAL_S = 0.5
-"""How often the gateway reads its replicas' loads for routing (one small RPC per replica)."""
+"""How often the gateway reads its replicas' loads for routing (one small RPC per replica of a
+stage with more than one: `routing_load_targets`)."""
 
 LOCAL = "local"
 LABELS = ("stage", "core", "replica")
@@ -121,11 +124,27 @@ def queued(loads: Sequence[EngineLoad]) -> int:
     return sum(load.num_running + load.num_waiting for load in loads)
 
 
+def routing_load_targets(pools: Mapping[str, ReplicaPool]) -> list[tuple[ReplicaPool, str]]:
+    """(pool, address) of each replica whose load routing reads: those of the stages with more
+    than one replica to call. With one there is nothing to choose between (the chooser's order
+    holds it alone, loads unread), and reading it cost an RPC to it every half second, idle: the
+    default stack has one replica per stage. A stage that had more keeps no report of its last
+    one (`set_load(None)`): its own calls count until it has more again and they are read."""
+    targets = []
+    for pool in pools.values():
+        addresses = [address for address in pool.addresses if not unresolved(address)]
+        if len(addresses) > 1:
+            targets += [(pool, address) for address in addresses]
+        else:
+            for address in addresses:
+                pool.chooser.set_load(address, None)
+    return targets
+
+
 async def refresh_routing_loads(pools: Mapping[str, ReplicaPool], timeout_s: float) -> None:
-    """Read every replica's load once and tell its pool (no answer: only our own calls count)."""
-    targets = [
-        (pool, address) for pool in pools.values() for address in pool.addresses if not unresolved(address)
-    ]
+    """Read the load of every replica routing chooses among once and tell its pool (no answer:
+    only our own calls count)."""
+    targets = routing_load_targets(pools)
 
     async def read(channel: grpc.aio.Channel, address: str) -> int | None:
         loads = await answer_or_none(
@@ -141,12 +160,32 @@ async def refresh_routing_loads(pools: Mapping[str, ReplicaPool], timeout_s: flo
 
 
 async def watch_loads(pools: Mapping[str, ReplicaPool], interval_s: float = ROUTING_LOAD_INTERVAL_S) -> None:
-    """`refresh_routing_loads` every `interval_s` until cancelled (0: never)."""
+    """`refresh_routing_loads` every `interval_s` while the gateway has stage calls open, until
+    cancelled (0: never). Once a read that began with none open ends with none begun since, the
+    next read waits for a call to begin (`ReplicaPool.call_began`) and is made at once: loads
+    choose where calls go, and an idle gateway read them twice a second for nothing (that last
+    read, with none of ours open, is the others' load: other gateways', the stages' own)."""
     if interval_s <= 0 or not pools:
         return
     while True:
+        for pool in pools.values():
+            pool.call_began.clear()
+        idle = not any(pool.chooser.calls_open() for pool in pools.values())
         await refresh_routing_loads(pools, min(interval_s, LOAD_TIMEOUT_S))
-        await asyncio.sleep(interval_s)
+        if idle and not any(pool.call_began.is_set() for pool in pools.values()):
+            await _first_call(pools)
+        else:
+            await asyncio.sleep(interval_s)
+
+
+async def _first_call(pools: Mapping[str, ReplicaPool]) -> None:
+    """Until a call begins in any of `pools`."""
+    waits = [asyncio.ensure_future(pool.call_began.wait()) for pool in pools.values()]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
 
 
 _GAUGES = [

@@ -2,9 +2,14 @@
 request naming a token id outside the vocabulary should be refused before its media costs a decode
 and an encode, and /v1/models should say how long a request may be (`max_model_len`).
 
-`watch_model_info` asks every prefill replica (`PrefillService.GetModelInfo`, over the channel its
-calls use) in the background, every `--stage-check-interval` seconds, and every 0.25 s until one
-has answered; the pipeline reads the result through the stage (`RemotePrefillStage.model_info`).
+`watch_model_info` asks the prefill replicas (`PrefillService.GetModelInfo`, over the channel their
+calls use) in the background, every 0.25 s until one has answered, then every
+`--stage-check-interval` seconds those whose answer may be missing or stale: one that has not
+answered yet (new, loading, down) and one back in routing since its answer (the health checks found
+it not serving, or a call unreachable, and then SERVING: `ReplicaChooser.returns`), perhaps a
+restarted process with other limits. One that has answered and stayed up is not asked again: it
+was, every second, one RPC each, idle or not, for an answer that does not change while its process
+lives. The pipeline reads the result through the stage (`RemotePrefillStage.model_info`).
 It starts once the gateway serves its probes, so a prefill still loading its model (UNAVAILABLE) or
 not reachable delays nothing: until a replica answers, the info is not known, no early check is
 made and prefill's own check refuses such ids (after the encode), as before. The model's sampling
@@ -46,16 +51,34 @@ class ReplicaModelInfo:
 
     def __init__(self) -> None:
         self.by_address: dict[str, ModelInfo] = {}
+        self._answered_at: dict[str, int] = {}  # by address: its `returns` when it last answered
         self._disagreement: frozenset[tuple[str, ModelInfo]] = frozenset()
         self.common: ModelInfo | None = None
 
-    def update(self, addresses: Sequence[str], answers: Mapping[str, ModelInfo | None]) -> ModelInfo | None:
+    def due(self, returns: Mapping[str, int]) -> list[str]:
+        """Of the replicas in the pool now (`returns`: each one's `ReplicaChooser.returns`), those
+        to ask: not answered yet, or back in routing since their last answer."""
+        return [a for a, n in returns.items() if a not in self.by_address or self._answered_at.get(a) != n]
+
+    def update(
+        self,
+        addresses: Sequence[str],
+        answers: Mapping[str, ModelInfo | None],
+        returns: Mapping[str, int] | None = None,
+    ) -> ModelInfo | None:
         """Replicas now in the pool (`addresses`) and what those read answered (None: no answer,
-        the last answer stays). Returns the common view (None: no replica has answered)."""
+        the last answer stays; not read: likewise); `returns`: each read one's `returns` as its
+        read began. Returns the common view (None: no replica has answered)."""
         self.by_address = {
             address: info
             for address in addresses
             if (info := answers.get(address) or self.by_address.get(address)) is not None
+        }
+        self._answered_at = {
+            address: (returns or {}).get(address, 0)
+            if answers.get(address)
+            else self._answered_at.get(address, 0)
+            for address in self.by_address
         }
         common = common_model_info(self.by_address.values())
         if len(set(self.by_address.values())) > 1:
@@ -96,9 +119,12 @@ def _defaults(defaults: tuple[tuple[str, float | int], ...] | None) -> str:
 async def refresh_model_info(
     stage: RemotePrefillStage, known: ReplicaModelInfo, timeout_s: float = MODEL_INFO_TIMEOUT_S
 ) -> None:
-    """Ask every replica of `stage` once and give the stage the common view."""
+    """Ask the replicas of `stage` whose answer is missing or stale (`ReplicaModelInfo.due`) once
+    and give the stage the common view."""
     pool = stage.pool
-    addresses = [a for a in pool.addresses if not unresolved(a)]  # a dns:/// name gets no call until found
+    # A dns:/// name gets no call until found.
+    returns = {a: pool.chooser.returns(a) for a in pool.addresses if not unresolved(a)}
+    addresses = known.due(returns)
 
     async def read(channel: grpc.aio.Channel, address: str) -> ModelInfo | None:
         return await answer_or_none(
@@ -109,12 +135,14 @@ async def refresh_model_info(
     # list reloaded, a name resolved again) has its read cancelled by its closing channel, an answer
     # of none, where looking its channel up then raised KeyError and ended the watch.
     answers = await asyncio.gather(*(read(pool.channel(address), address) for address in addresses))
-    stage.known_model_info = known.update(addresses, dict(zip(addresses, answers)))
+    listed = [a for a in pool.addresses if not unresolved(a)]  # as now: the list may have changed
+    stage.known_model_info = known.update(listed, dict(zip(addresses, answers)), returns)
 
 
 async def watch_model_info(stage: RemotePrefillStage, interval_s: float) -> None:
     """`refresh_model_info` every `interval_s` (every `UNKNOWN_POLL_S` while nothing is known;
-    `interval_s` 0: only until a replica has answered) until cancelled."""
+    `interval_s` 0: only until a replica has answered) until cancelled: with nothing due, it
+    makes no call."""
     known = ReplicaModelInfo()
     while True:
         await refresh_model_info(stage, known)

@@ -163,6 +163,7 @@ class ReplicaChooser:
         self._in_flight: dict[str, int] = {}  # calls this gateway has open to the replica
         self._turn = 0
         self._ever_served = False  # a replica has said SERVING or answered a call (`ready_once`)
+        self._returns: dict[str, int] = {}  # by replica: times it came back (`returns`)
 
     def set_replicas(self, replicas: Sequence[str]) -> tuple[list[str], list[str]]:
         """Replace the replica list (a reloaded replica file); returns (added, removed). What is
@@ -177,6 +178,7 @@ class ReplicaChooser:
             self._down.discard(r)
             self._failed_until.pop(r, None)
             self._reported.pop(r, None)
+            self._returns.pop(r, None)
         return added, removed
 
     def set_serving(self, replica: str, serving: bool) -> None:
@@ -186,12 +188,21 @@ class ReplicaChooser:
             return
         if serving:
             self._ever_served = True
-            self._down.discard(replica)
             held = self._failed_until.get(replica)
+            if replica in self._down or (held is not None and not held[1]):
+                self._returns[replica] = self._returns.get(replica, 0) + 1
+            self._down.discard(replica)
             if held is not None and not held[1]:
                 del self._failed_until[replica]
         else:
             self._down.add(replica)
+
+    def returns(self, replica: str) -> int:
+        """How many times a health check found `replica` SERVING after it was found not serving or
+        a call found it unreachable: it came back, perhaps as another process (a restart), so
+        what was read from it before may be stale (the gateway reads prefill's model info again
+        then, `epd.gateway.model_info`, rather than every second)."""
+        return self._returns.get(replica, 0)
 
     def mark_answered(self, replica: str) -> None:
         """A call to `replica` was answered: the stage has served (`ready_once`)."""
@@ -231,6 +242,10 @@ class ReplicaChooser:
 
     def in_flight(self, replica: str) -> int:
         return self._in_flight.get(replica, 0)
+
+    def calls_open(self) -> int:
+        """Calls this gateway has open to the stage, to any replica (removed ones' too)."""
+        return sum(self._in_flight.values())
 
     def load(self, replica: str) -> int:
         """Work at `replica` as this gateway sees it: the larger of its report and our calls."""

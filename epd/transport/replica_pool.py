@@ -91,6 +91,9 @@ class ReplicaPool:
         """A channel per address the pool routes over; none for a name not resolved yet."""
         self._retired: dict[str, grpc.aio.Channel] = {}  # removed replicas with calls still open
         self._closing: set[asyncio.Future] = set()
+        self.call_began = asyncio.Event()
+        """Set as each call begins (`begin`): the routing-load reads, which pause while the gateway
+        has no call open, resume at once (`epd.gateway.engine_load.watch_loads` clears it)."""
 
     def _open(self, address: str) -> grpc.aio.Channel:
         # round_robin: a target gRPC resolves itself (a plain `name:port`) spreads calls over every
@@ -149,6 +152,7 @@ class ReplicaPool:
 
     def begin(self, address: str) -> None:
         self.chooser.begin(address)
+        self.call_began.set()
 
     def end(self, address: str) -> None:
         self.chooser.end(address)

@@ -172,10 +172,12 @@ def stage_channel(
     return grpc.aio.secure_channel(target, client.credentials, options=opts, interceptors=interceptors)
 
 
-def blocking_channel(target: str) -> grpc.Channel:
+def blocking_channel(target: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
     """A synchronous channel secured the same way, for health checks (`epd health`, the stack's
     supervisor); health needs no secret, so none is sent."""
+    opts = list(options)
     if _client.credentials is None:
-        return grpc.insecure_channel(target)
-    options = [("grpc.ssl_target_name_override", _client.server_name)] if _client.server_name else []
-    return grpc.secure_channel(target, _client.credentials, options=options)
+        return grpc.insecure_channel(target, options=opts)
+    if _client.server_name:
+        opts.append(("grpc.ssl_target_name_override", _client.server_name))
+    return grpc.secure_channel(target, _client.credentials, options=opts)

@@ -56,7 +56,8 @@ def add_routing_flags(p: argparse.ArgumentParser) -> None:
         type=seconds,
         default=0.5,
         metavar="SECONDS",
-        help="seconds between reads of the replicas' loads for routing (0 = off)",
+        help="seconds between reads of the replicas' loads for routing, of the stages with more than one "
+        "replica, while requests are in flight (0 = off)",
     )
     why = "routing among a stack's stage replicas; the colocated front door has one local stage of each"
     serves_only(STACK, why, routing, attempt_timeout, load_refresh)

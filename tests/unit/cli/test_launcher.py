@@ -97,7 +97,8 @@ class _Process:
 
 @pytest.fixture
 def health_servers():
-    """Real grpc.health servers answering SERVING on free loopback ports: what the supervisor asks."""
+    """Real grpc.health servers answering SERVING on free loopback ports: what the supervisor asks.
+    `serve.peers[port]`: the client address (its connection's port) of each check it answered."""
     from concurrent import futures
 
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -105,16 +106,29 @@ def health_servers():
     servers = []
     pools = []
 
+    class Servicer(health.HealthServicer):
+        def __init__(self, peers: list[str]) -> None:
+            super().__init__()
+            self.peers = peers
+
+        def Check(self, request, context):  # noqa: N802 (gRPC's name)
+            self.peers.append(context.peer())
+            return super().Check(request, context)
+
     def serve() -> int:
         pools.append(futures.ThreadPoolExecutor(max_workers=2))
         server = grpc.server(pools[-1])
-        servicer = health.HealthServicer()
+        peers: list[str] = []
+        servicer = Servicer(peers)
         servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
         servers.append(server)
+        serve.peers[port] = peers  # type: ignore[attr-defined]
         return port
+
+    serve.peers = {}  # type: ignore[attr-defined]
 
     yield serve
     for server in servers:
@@ -233,6 +247,67 @@ def test_a_replica_moved_to_a_free_port_that_never_binds_is_killed_at_the_start_
     moved = str(tmp_path / "encoder[0].ports.json")
     assert [command[-4:] for command, _ in started[1:]] == [["--port", "0", "--ports-file", moved]] * 2
     assert [proc.returncode for _, proc in started] == [1, -9, -9]
+
+
+def test_the_supervisor_asks_each_service_process_over_one_connection(health_servers, launcher_signals):
+    """Every second the launcher asks each service for its health: over the connection of its
+    last check while the same process runs, where each check opened one (a TCP connection and an
+    HTTP/2 handshake a second in the launcher and in every service, idle: docs/benchmarks.md)."""
+    from epd.cli.launcher import _supervise
+    from epd.cli.supervisor import RestartPolicy
+
+    policy = RestartPolicy(start_timeout_s=30)
+    slots = _slots(health_servers, ["gateway", "encoder[0]"], policy)
+    for slot in slots:
+        slot.proc = _Process()
+    checks = [health_servers.peers[slot.port] for slot in slots]
+    # Stopped as Ctrl-C would once each has been asked four times (about 3 s): the start-up's
+    # check (every 0.2 s, on a fresh channel: one kept would wait out its reconnect backoff
+    # while the service binds), then three supervising ones.
+    watcher = threading.Thread(
+        target=lambda: (
+            _wait_for(lambda: all(len(peers) >= 4 for peers in checks)),
+            launcher_signals.stop.set(),
+        )
+    )
+    watcher.start()
+    _supervise(slots, lambda slot: _Process(), launcher_signals, policy)
+    watcher.join()
+    assert all(len(peers) >= 4 for peers in checks), checks
+    assert [len(set(peers[1:])) for peers in checks] == [1, 1], checks
+
+
+def test_a_service_started_again_is_asked_over_a_channel_of_its_own():
+    """`HealthChannels`: a channel per (address, pid), kept while that process is listed; one
+    restarted (a new pid at the same address) or gone has its old channel closed."""
+    from epd.cli.health import HealthChannels
+
+    class Channel:
+        def __init__(self, address: str) -> None:
+            self.address, self.closed = address, False
+
+        def close(self) -> None:
+            self.closed = True
+
+    opened: list[Channel] = []
+    channels = HealthChannels(lambda address: opened.append(Channel(address)) or opened[-1])
+    first = channels.channels([("a:1", 10), ("b:2", 20)])
+    assert channels.channels([("a:1", 10), ("b:2", 20)]) == first and len(opened) == 2
+    restarted = channels.channels([("a:1", 11), ("b:2", 20)])  # a:1 restarted
+    assert restarted[1] is first[1] and restarted[0] is opened[2] and opened[2].address == "a:1"
+    assert [c.closed for c in opened] == [True, False, False]
+    channels.channels([("a:1", 11)])  # b:2 exited
+    assert [c.closed for c in opened] == [True, True, False]
+    channels.close()
+    assert all(c.closed for c in opened)
+
+
+def _wait_for(condition, timeout_s: float = 20.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("code", [3, 2])  # EXIT_MODEL, EXIT_USAGE: a restart would fail the same way

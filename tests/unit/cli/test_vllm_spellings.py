@@ -14,9 +14,9 @@ from epd.bench import quality
 from epd.bench import serve as bench_serve
 from epd.cli import configs
 from epd.cli.main import parse_command
-from epd.cli.secret_flags import hide_secrets
 from epd.cli.stack_commands import stack_commands
 from epd.cmdline.flexible import dashed_flags
+from epd.cmdline.secret_flags import hide_secrets
 from tests.stack import ROOT, child_env
 
 GATEWAY_DASHED = [

@@ -101,7 +101,7 @@ def test_an_api_key_on_the_command_line_is_hidden_from_ps(tmp_path):
     `--api-key KEY` stayed there for as long as the gateway ran."""
     import psutil
 
-    from epd.cli.secret_flags import hide_secrets
+    from epd.cmdline.secret_flags import hide_secrets
 
     assert hide_secrets(["serve", "--api-key", "k1", "--api-key=k2", "--port", "1"]) == [
         "serve",

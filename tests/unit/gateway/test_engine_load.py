@@ -250,3 +250,101 @@ def test_gauges_are_empty_before_the_first_scrape():
     text = metrics.render()
     assert "# TYPE epd_engine_steps_total counter" in text
     assert "epd_engine_steps_total{" not in text
+
+
+def test_routing_reads_the_loads_of_the_stages_with_more_than_one_replica_only():
+    """Routing chooses by load only among several replicas: a stage with one is not read (it was,
+    every --load-refresh-interval, idle or not: an RPC each half second in the default stack),
+    and keeps no report from when it had more; each replica of a stage with two is read."""
+    from epd.gateway.engine_load import refresh_routing_loads
+
+    async def scenario() -> list[int]:
+        servers, addresses = [], []
+        for running in (2, 5, 7):  # encoder replicas a and b, the one prefill replica
+            stage = FakeStage(EngineLoad("core", num_running=running))
+            server = grpc.aio.server()
+            with_load_service(lambda s: None, lambda stage=stage: stage_loads(stage))(server)
+            addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+            await server.start()
+            servers.append(server)
+        a, b, single = addresses
+        pools = {"encoder": ReplicaPool([a, b]), "prefill": ReplicaPool([single])}
+        pools["prefill"].chooser.set_load(single, 9)  # reported while the stage had two replicas
+        try:
+            await refresh_routing_loads(pools, timeout_s=30.0)
+            return [pools["encoder"].chooser.load(a), pools["encoder"].chooser.load(b)] + [
+                pools["prefill"].chooser.load(single)
+            ]
+        finally:
+            for pool in pools.values():
+                await pool.close()
+            for server in servers:
+                await server.stop(0)
+
+    assert asyncio.run(scenario()) == [2, 5, 0]
+
+
+class _CountedStage(FakeStage):
+    def __init__(self) -> None:
+        super().__init__(EngineLoad("encoder"))
+        self.reads = 0
+
+    def load(self) -> list[EngineLoad]:
+        self.reads += 1
+        return super().load()
+
+
+def test_the_routing_loads_are_not_read_while_the_gateway_has_no_call_open():
+    """Loads choose where calls go: with none open, after one read of the replicas as they are, the
+    watch waits for a call to begin and reads at once (it read every --load-refresh-interval,
+    idle or not); it reads on while calls are open, and stops again once they have ended."""
+    from epd.gateway.engine_load import watch_loads
+
+    async def until(condition, what: str) -> None:
+        for _ in range(600):  # a deadline (30 s), not a timing assertion
+            if condition():
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(what)
+
+    async def scenario() -> list[int]:
+        stages = [_CountedStage(), _CountedStage()]
+        servers, addresses = [], []
+        for stage in stages:
+            server = grpc.aio.server()
+            with_load_service(lambda s: None, lambda stage=stage: stage_loads(stage))(server)
+            addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+            await server.start()
+            servers.append(server)
+        pool = ReplicaPool(addresses)
+        watch = asyncio.ensure_future(watch_loads({"encoder": pool}, interval_s=0.02))
+        reads = []
+        try:
+            await until(lambda: stages[0].reads >= 1, "no first read")
+            await asyncio.sleep(0.5)  # 25 intervals: as many reads, idle, before
+            reads.append(stages[0].reads)
+            pool.begin(addresses[1])  # a call begins: read at once, and on while it is open
+            await until(lambda: stages[0].reads >= reads[0] + 3, "no reads while a call is open")
+            pool.end(addresses[1])
+            # After at most two more reads (the one under way, one with none open) it waits.
+            await until(lambda: steady(stages[0].reads), "reads went on after the call ended")
+            reads.append(stages[0].reads)
+            await asyncio.sleep(0.5)
+            reads.append(stages[0].reads)
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+            await pool.close()
+            for server in servers:
+                await server.stop(0)
+        return reads
+
+    seen: list[int] = []
+
+    def steady(count: int) -> bool:
+        """True once the count has stayed the same for 20 looks 0.05 s apart (50 intervals)."""
+        seen.append(count)
+        return len(seen) >= 20 and len(set(seen[-20:])) == 1
+
+    first, ended, later = asyncio.run(scenario())
+    assert first == 1 and later == ended, (first, ended, later)

@@ -95,10 +95,21 @@ class _Stage:
         return self.info
 
 
-async def _prefill_server(info: ModelInfo | None) -> tuple[grpc.aio.Server, str]:
-    """The real PrefillServicer: `info` None is a replica still loading its model (no stage yet)."""
+class _CountingStage(_Stage):
+    def __init__(self, info: ModelInfo) -> None:
+        super().__init__(info)
+        self.asked = 0
+
+    def model_info(self) -> ModelInfo:
+        self.asked += 1
+        return self.info
+
+
+async def _prefill_server(info: ModelInfo | None, stage: _Stage | None = None) -> tuple[grpc.aio.Server, str]:
+    """The real PrefillServicer: `info` None is a replica still loading its model (no stage yet);
+    `stage`: the stand-in it serves, when the test looks at it."""
     servicer = PrefillServicer(PrefillConfig(), KvStore(1 << 20, 60.0))
-    servicer.stage = None if info is None else _Stage(info)  # type: ignore[assignment]
+    servicer.stage = stage or (None if info is None else _Stage(info))  # type: ignore[assignment]
     server = grpc.aio.server()
     prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -133,6 +144,42 @@ def test_the_gateway_reads_every_prefill_replica_and_the_pipeline_checks_with_it
             await pool.close()
 
     asyncio.run(scenario())
+
+
+def test_a_replica_that_answered_is_asked_again_only_once_back_in_routing():
+    """Prefill's model info does not change while its process lives: a replica that answered is
+    not asked again (it was, every --stage-check-interval, idle or not) until the health checks
+    find it back in routing (perhaps restarted with other limits), or a call found it unreachable
+    and a check SERVING again; one that has not answered yet is asked at each refresh."""
+
+    async def scenario() -> list[int]:
+        served = _CountingStage(QWEN)
+        server, address = await _prefill_server(QWEN, served)
+        pool = ReplicaPool([address])
+        stage = RemotePrefillStage(pool, 5.0)
+        known = ReplicaModelInfo()
+        counts = []
+        try:
+            await refresh_model_info(stage, known, timeout_s=5.0)
+            counts.append(served.asked)
+            await refresh_model_info(stage, known, timeout_s=5.0)
+            counts.append(served.asked)
+            pool.set_serving(address, False)  # a health check: down (a restart) ...
+            await refresh_model_info(stage, known, timeout_s=5.0)  # (no answer expected while down)
+            pool.set_serving(address, True)  # ... and back
+            await refresh_model_info(stage, known, timeout_s=5.0)
+            counts.append(served.asked)
+            pool.mark_failed(address)  # a call found it unreachable ...
+            pool.set_serving(address, True)  # ... and a check SERVING
+            await refresh_model_info(stage, known, timeout_s=5.0)
+            await refresh_model_info(stage, known, timeout_s=5.0)
+            counts.append(served.asked)
+        finally:
+            await server.stop(None)
+            await pool.close()
+        return counts
+
+    assert asyncio.run(scenario()) == [1, 1, 2, 3]
 
 
 def test_a_dns_name_not_found_yet_is_not_asked():

@@ -234,11 +234,12 @@ def test_a_replica_removed_before_its_load_read_starts_leaves_the_watch_running(
     the watch."""
 
     async def scenario() -> None:
-        pool = ReplicaPool([f"127.0.0.1:{free_port()}"])
+        kept = f"127.0.0.1:{free_port()}"
+        pool = ReplicaPool([f"127.0.0.1:{free_port()}", kept])  # two: a lone replica's load is not read
         try:
             loads = asyncio.ensure_future(refresh_routing_loads({"encoder": pool}, timeout_s=1.0))
-            await asyncio.sleep(0)  # the refresh has listed the replica; its read has not started
-            pool.set_addresses([f"127.0.0.1:{free_port()}"])
+            await asyncio.sleep(0)  # the refresh has listed the replicas; their reads have not started
+            pool.set_addresses([kept, f"127.0.0.1:{free_port()}"])
             return await asyncio.wait_for(loads, 30)  # a deadline, not a timing assertion: it returns
         finally:
             await pool.close()

@@ -1,4 +1,6 @@
-"""Secrets given as flags (an API key), hidden from the process's command line as `ps` shows it."""
+"""Secrets given as flags (an API key), hidden from the process's command line as `ps` shows it:
+`epd`'s commands (`epd.cli.main`) and the bench suites run as modules that take a key
+(`python -m epd.bench.serve --api-key KEY`), which may not import `epd.cli`."""
 
 from __future__ import annotations
 
@@ -22,10 +24,11 @@ def hide_secrets(argv: list[str]) -> list[str] | None:
     return shown if hidden else None
 
 
-def hide_secrets_from_ps() -> None:
+def hide_secrets_from_ps(program: str = "epd") -> None:
     """Every local user reads a process's command line (`ps`, /proc/PID/cmdline): an API key given
-    as `--api-key KEY` showed there for as long as the gateway (or `epd serve`, `epd ask`) ran.
-    Rewritten as soon as the flags are parsed; $EPD_API_KEY or --api-key-file never show at all."""
+    as `--api-key KEY` showed there for as long as the gateway (or `epd serve`, `epd ask`, a bench
+    run as a module) ran. Rewritten as soon as the flags are parsed, as `program` and the flags;
+    $EPD_API_KEY or --api-key-file never show at all."""
     shown = hide_secrets(sys.argv[1:])
     if shown is None:
         return
@@ -33,4 +36,4 @@ def hide_secrets_from_ps() -> None:
         import setproctitle
     except ImportError:
         return
-    setproctitle.setproctitle(" ".join(["epd", *shown]))
+    setproctitle.setproctitle(" ".join([program, *shown]))
