@@ -8,11 +8,13 @@ truncation, duplicated and removed chunks, the size fields of the container's ow
 boxes, Matroska elements, RIFF chunks, PNG chunks, JPEG segments) and any 32-bit integer set to
 0 / 1 / huge / negative, and another format's header swapped in.
 
-Properties, for every example: `encode` returns tokens or raises an error the encoder maps to
-INVALID_ARGUMENT or RESOURCE_EXHAUSTED (`epd.transport.errors.code_of`), never INTERNAL, with a
-message free of paths, tracebacks and FFmpeg's own text; it returns well within its time limits
-(a hang fails the test); afterwards no thread or child process is left over, the decode pool has
-its size, and the engine still encodes a good file.
+Each example runs with both decode backends: PyAV's decode threads (the default) and decord's
+child process. Properties: `encode` returns tokens or raises an error the encoder maps to
+INVALID_ARGUMENT or RESOURCE_EXHAUSTED (`epd.transport.errors.code_of`; with decord also
+`DecoderCrashed`, UNAVAILABLE), never INTERNAL, with a message free of paths, tracebacks and
+FFmpeg's own text; it returns well within its time limits (a hang fails the test); afterwards no
+thread, open file or child process is left over, the decode pool has its size, and the engine
+still encodes a good file.
 
 Derandomized and small in the default suite; a long run:
 EPD_MEDIA_FUZZ_EXAMPLES=20000 pytest tests/unit/video/test_media_fuzz.py (docs/security.md, "Fuzzing")."""
@@ -63,7 +65,7 @@ HANG_S = 60.0
 pass and the decode within 10 s, the tower on at most a few tiny frames)."""
 DOCUMENTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 """And, with the decord backend, DecoderCrashed (UNAVAILABLE, "retry"): decord crashes its child
-process on some corrupt AVI files, and the child is replaced (`epd.video.decord_backend`)."""
+process on some damaged files (mostly AVI), and the child is replaced (`epd.video.decord_backend`)."""
 LEAKS = re.compile(
     r"Traceback|File \"|/tmp|/work|/proc|site-packages|\.py\b|Error\(|Exception\(|\[Errno|errno|"
     r"Invalid data found|End of file|Cannot allocate|Operation not permitted|Immediate exit|Bug detected|"
