@@ -69,7 +69,7 @@ from epd.stages.contracts import (
     StageEvent,
     refuse_unsupported_pruning,
 )
-from epd.stages.errors import InvalidRequest, NotFound, ResourceExhausted
+from epd.stages.errors import EpdError, InvalidRequest, NotFound, ResourceExhausted
 from epd.stages.names import Stage
 from epd.stages.request_id import shared_work_context
 from epd.token_pruning import PruningConfig
@@ -77,7 +77,7 @@ from epd.video.decord_backend import DecordDecoder
 from epd.video.parallel_decoder import CLOSE_WAIT_S as PARALLEL_CLOSE_WAIT_S
 from epd.video.parallel_decoder import ParallelDecoder
 from epd.video.simple_decoder import check_duration
-from epd.video.types import DecodeCancelled, DecodedVideo, SamplingOptions
+from epd.video.types import DecodeCancelled, DecodedVideo, MediaError, SamplingOptions
 
 log = logging.getLogger(__name__)
 
@@ -483,6 +483,10 @@ class EncoderEngine:
         t0 = time.perf_counter()
         try:
             inputs = self.adapter.preprocess(video, clip_num_frames=num_frames)
+        except ValueError as exc:
+            if isinstance(exc, (EpdError, MediaError)):
+                raise
+            raise _refused_frames(video, exc) from None
         finally:
             req.model_s += time.perf_counter() - t0
         tokens_done = sum(self.adapter.num_visual_tokens(g) for g in grids_done)
@@ -519,6 +523,27 @@ class EncoderEngine:
         self.decoder.close(wait_s)
         if self._decord is not None:
             self._decord.close(max(0.0, ends_s - time.monotonic()))
+
+
+MAX_PROCESSOR_ASPECT_RATIO = 200
+"""The longest side over the shortest that Qwen's and GLM's processors take (their `smart_resize`
+raises ValueError past it)."""
+
+
+def _refused_frames(video: DecodedVideo, exc: ValueError) -> InvalidRequest:
+    """The client's error for frames the model's processor refused (a ValueError from
+    `VLMAdapter.preprocess`: they are the media's, a 1000x4 image, not the server's); its text
+    goes to the log only."""
+    height, width = video.frames.shape[1:3]  # frames: [n, height, width, 3]
+    log.info("the model's processor refused frames of %dx%d: %s", width, height, exc)
+    if max(height, width) > MAX_PROCESSOR_ASPECT_RATIO * max(min(height, width), 1):
+        why = f"an aspect ratio over the {MAX_PROCESSOR_ASPECT_RATIO}:1 this model's processor takes"
+        change = f"crop or pad it to at most {MAX_PROCESSOR_ASPECT_RATIO}:1"
+    else:
+        why, change = "a size this model's processor does not take", "send it at another size"
+    return InvalidRequest(
+        f"the {'image' if video.is_image else 'video'} is {width}x{height}, {why}; {change}"
+    )
 
 
 def _slice(video: DecodedVideo, start: int, end: int) -> DecodedVideo:

@@ -357,6 +357,25 @@ def cut_with_edit_list(data: bytes, fps: float, first_kept: int, first_shown: in
     return out_buf.getvalue()
 
 
+def remux_mpegts(mp4: bytes) -> bytes:
+    """The video packets of `mp4` remuxed into MPEG-TS."""
+    import io
+
+    import av
+
+    from epd.video.media_open import open_video
+
+    out_buf = io.BytesIO()
+    with open_video(mp4) as src, av.open(out_buf, "w", format="mpegts") as out:
+        in_stream = src.streams.video[0]
+        stream = out.add_stream_from_template(in_stream)
+        for packet in src.demux(in_stream):
+            if packet.size:
+                packet.stream = stream
+                out.mux(packet)
+    return out_buf.getvalue()
+
+
 def drop_first_packets(data: bytes, num_packets: int, container: str) -> bytes:
     """`data` remuxed into `container` without its first `num_packets` packets (decode order): a
     stream cut mid-GOP, whose first frames reference frames that are not there."""

@@ -62,7 +62,13 @@ from epd.video.budget import MIN_PIXELS_PER_FRAME, DecodeBudget, decode_too_long
 from epd.video.keyframe_index import KeyframeIndexCache
 from epd.video.media_open import sniff_container
 from epd.video.plan import make_intervals
-from epd.video.simple_decoder import check_size, decode_image, downscale_rgb, select_frames
+from epd.video.simple_decoder import (
+    CORRUPT_MEDIA_MESSAGE,
+    check_size,
+    decode_image,
+    downscale_rgb,
+    select_frames,
+)
 from epd.video.types import (
     DecodedVideo,
     DecodeLimits,
@@ -278,6 +284,10 @@ class DecordDecoder:
         if sniff_container(data).is_image:  # nothing but an allowed container reaches decord
             return decode_image(data, opts, limits)
         index = self.index_cache.get_or_build(data, limits, sha256, cache_salt=cache_salt)
+        if index.width <= 0 or index.height <= 0:
+            # The shared buffer is sized from the header's frame size: a header that gives none (FFmpeg
+            # opened the file but could not tell its size) would make an empty one.
+            raise MediaError(CORRUPT_MEDIA_MESSAGE)
         chosen_s, sampled_fps = select_frames(index.frames, opts)
         slot_positions = np.searchsorted(index.frames.pts_s, chosen_s)  # [T] non-decreasing
         distinct = np.unique(slot_positions)  # [U]: decord decodes each once

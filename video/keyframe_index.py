@@ -124,7 +124,15 @@ def build_video_index(
             stream = container.streams.video[0]
             width, height = stream.codec_context.width, stream.codec_context.height
             check_frame_size(width, height, limits)
-            frame_pts, keyframe_pts, in_decode_order = demux_pts(container, stream, stop_or_deadline)
+            try:
+                frame_pts, keyframe_pts, in_decode_order = demux_pts(container, stream, stop_or_deadline)
+            except av.error.MemoryError as exc:
+                # Reading packets copies the file's own bytes: FFmpeg's ENOMEM here is a packet the
+                # file declares larger than it can hold (a 5 KB MP4 whose sample table gives one
+                # sample 512 MB), the file's fault, not the server's memory (`decode_failure`).
+                guard.raise_if_stopped()
+                log.info("video index failed: %r", exc)
+                raise MediaError(CORRUPT_MEDIA_MESSAGE) from None
             guard.raise_if_stopped()  # else the pass ended where the guard cut the file short
             tb = float(stream.time_base)  # type: ignore[arg-type]  # set for every demuxed stream
             codec_name = stream.codec_context.name

@@ -294,3 +294,30 @@ def test_close_is_bounded_while_a_decode_holds_the_child(video_factory):
                 child.kill()
         assert len(outcome) == 1 and isinstance(outcome[0], DecoderCrashed), outcome
         assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+
+
+def _without_frame_size(mp4: bytes) -> bytes:
+    """`mp4` (H.264) with its sample entry's width and height 0 and its decoder configuration
+    (the SPS, which also gives the size) zeroed: FFmpeg opens it, and its video stream has no size."""
+    data = bytearray(mp4)
+    entry = data.find(b"avc1")
+    size_at = entry + 4 + 6 + 2 + 16  # after reserved bytes, the data reference index, pre-defined
+    data[size_at : size_at + 4] = bytes(4)
+    config = data.find(b"avcC")
+    data[config + 4 : config + 40] = bytes(36)
+    return bytes(data)
+
+
+def test_a_video_without_a_frame_size_is_invalid_argument_not_an_internal_error(
+    video_factory, decord_decoder
+):
+    """Found by the media fuzz (test_media_fuzz.py): the shared buffer for the frames is sized by
+    the header's frame size, and a header of none made a 0-byte one, a ValueError (INTERNAL)."""
+    data = _without_frame_size(
+        video_factory(".mov", codec="h264", size=(48, 32), fps=10.0, seconds=1.2, gop=5)
+    )
+    with pytest.raises(MediaError) as info:
+        decord_decoder.decode(data, SamplingOptions(num_frames=2))
+    assert status_of(info.value) == (grpc.StatusCode.INVALID_ARGUMENT, simple_decoder.CORRUPT_MEDIA_MESSAGE)
+    with pytest.raises(MediaError, match="could not decode the media"):  # as the PyAV backend says
+        simple_decoder.decode(data, SamplingOptions(num_frames=2))

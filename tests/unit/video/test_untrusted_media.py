@@ -21,7 +21,7 @@ from epd.video.parallel_decode_config import ParallelDecodeConfig
 from epd.video.parallel_decoder import ParallelDecoder
 from epd.video.types import DecodeLimits, MediaError, MediaLimitError, SamplingOptions
 from tests.local_http import recording_server
-from tests.media import make_audio_flood, make_packet_flood, make_resolution_change, make_video
+from tests.media import make_audio_flood, make_packet_flood, make_resolution_change, make_video, remux_mpegts
 from tests.unit.video.entry_points import _entry_points
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -121,7 +121,7 @@ def test_sniffing_allows_only_the_listed_containers(video_factory):
     assert sniff_container(video_factory(".mkv", codec="h264", **SMALL)).demuxer == "matroska"
     assert sniff_container(video_factory(".webm", codec="vp9", **SMALL)).demuxer == "matroska"
     assert sniff_container(video_factory(".avi", codec="mjpeg", **SMALL)).demuxer == "avi"
-    ts = _mpegts(video_factory(".mp4", codec="h264", **SMALL))
+    ts = remux_mpegts(video_factory(".mp4", codec="h264", **SMALL))
     assert sniff_container(ts).demuxer == "mpegts"
     m2ts = b"".join(b"\0\0\0\0" + ts[i : i + 188] for i in range(0, len(ts), 188))  # 192-byte packets
     assert sniff_container(m2ts).demuxer == "mpegts"
@@ -141,26 +141,11 @@ def test_sniffing_allows_only_the_listed_containers(video_factory):
 
 
 def test_mpegts_decodes_like_mp4(video_factory, decoder):
-    data = _mpegts(video_factory(".mp4", codec="h264", **SMALL))
+    data = remux_mpegts(video_factory(".mp4", codec="h264", **SMALL))
     opts = SamplingOptions(num_frames=5)
     expected = simple_decoder.decode(data, opts)
     assert expected.frames.shape == (5, 64, 96, 3)
     assert np.array_equal(decoder.decode(data, opts).frames, expected.frames)
-
-
-def _mpegts(mp4: bytes) -> bytes:
-    """The same H.264 packets remuxed into MPEG-TS."""
-    import av
-
-    out_buf = io.BytesIO()
-    with open_video(mp4) as src, av.open(out_buf, "w", format="mpegts") as out:
-        in_stream = src.streams.video[0]
-        stream = out.add_stream_from_template(in_stream)
-        for packet in src.demux(in_stream):
-            if packet.size:
-                packet.stream = stream
-                out.mux(packet)
-    return out_buf.getvalue()
 
 
 def test_no_other_av_open_reads_bytes():
