@@ -5,7 +5,8 @@ A rotation (docs/security.md, "Rotating the internal secret") changes the file t
 mounted Kubernetes Secret (or a compose secret edited in place) changes under the running
 services. Every use asks `InternalSecrets.current()`: the stage servers' check of each call
 (`epd.transport.auth.InternalSecretInterceptor`), the secret the gateway and decode present on
-each call (`epd.transport.security.stage_channel`). At most every `check_interval_s`
+each call (`epd.transport.security.stage_channel`), and each server's own look on a timer
+(`follow_secret_file`), so that an idle service follows a change too. At most every `check_interval_s`
 (`--secret-check-interval-s`, `TransportSecurity.secret_check_interval_s`) that looks at
 the file's identity (device, inode, modification time, size: a Secret's update swaps in a new file,
 an edit in place changes the time or size) and re-reads it only when that changed. A file that
@@ -19,6 +20,7 @@ Pure bookkeeping plus a stat; no gRPC. The comparison stays constant-time
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -94,6 +96,16 @@ class InternalSecrets:
                 len(secrets),
             )
         self._secrets = secrets
+
+
+async def follow_secret_file(secrets: InternalSecrets) -> None:
+    """Look at `secrets`' file every `check_interval_s` whether or not calls come (a task of each
+    server's, `create_server`): a rotation is followed, and logged, by every service before the
+    operator's next step (docs/security.md), an idle one's too. Its calls alone did that while the
+    gateway read every stage's load twice a second; idle, it reads none now."""
+    while True:
+        await asyncio.sleep(secrets.check_interval_s)
+        secrets.current()
 
 
 _shared: dict[tuple[str, tuple[str, ...], float], InternalSecrets] = {}

@@ -23,7 +23,7 @@ from epd.transport import security, tracing
 from epd.transport.auth import InternalSecretInterceptor
 from epd.transport.errors import status_of
 from epd.transport.idle_memory import release_when_idle
-from epd.transport.internal_secrets import internal_secrets
+from epd.transport.internal_secrets import follow_secret_file, internal_secrets
 from epd.transport.ports_file import write_ports_file
 
 log = logging.getLogger(__name__)
@@ -273,6 +273,9 @@ async def create_server(
         [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
         server,
     )
+    if config.security.internal_secret_file:  # followed idle too, not only on calls
+        follow = follow_secret_file(internal_secrets(config.security))
+        hs.background_tasks.append(asyncio.ensure_future(follow))
     await hs.set_serving(False)
     await hs.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     await server.start()

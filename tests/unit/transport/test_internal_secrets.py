@@ -91,3 +91,38 @@ def test_a_service_shares_one_view_of_its_file_and_a_secret_without_a_file_is_fi
     assert internal_secrets(TransportSecurity()).presented == ""
     with pytest.raises(ValueError, match="an internal secret file needs the secrets read from it"):
         TransportSecurity(internal_secret_file=str(path))
+
+
+def test_an_idle_server_follows_its_file_without_any_call(tmp_path, caplog):
+    """A stage nobody calls still looks at its file every interval and logs the change: an
+    operator's rotation waits for that line in every service's log before its next step
+    (docs/security.md). The look came only with calls, and an idle gateway makes none now."""
+    import asyncio
+    import time
+
+    from epd.stages.server_config import ServerConfig
+    from epd.transport.server import create_server
+
+    path = tmp_path / "secret"
+    path.write_text(f"{OLD}\n")
+    security = TransportSecurity(
+        internal_secret=OLD, internal_secret_file=str(path), secret_check_interval_s=0.05
+    )
+
+    async def scenario() -> bool:
+        hs = await create_server(
+            ServerConfig(host="127.0.0.1", port=0, security=security), lambda s: None, []
+        )
+        try:
+            swap_in(path, f"{OLD}\n{NEW}\n")
+            deadline = time.monotonic() + 30.0  # a bound on a broken follow, not a timing assertion
+            while time.monotonic() < deadline:
+                if any("changed: now presenting" in r.getMessage() for r in caplog.records):
+                    return True
+                await asyncio.sleep(0.05)
+            return False
+        finally:
+            await hs.stop(0)
+
+    with caplog.at_level(logging.WARNING, logger="epd.transport.internal_secrets"):
+        assert asyncio.run(scenario()), "the idle server never looked at its changed file"
