@@ -546,7 +546,8 @@ def _crashes_decord(seeds: dict[str, bytes]) -> bytes:
     return bytes(data)
 
 
-def test_a_file_that_crashes_decords_child_gets_pyavs_answer(seeds, tiny_models):
+@pytest.mark.parametrize("encoder", ["decord"], indirect=True)
+def test_a_file_that_crashes_decords_child_gets_pyavs_answer(encoder, seeds, tiny_models):
     """decord crashes its child on some damaged files, every time: the request was answered
     DecoderCrashed (UNAVAILABLE "retry the request"), which never helps. The encoder decodes it
     with PyAV instead: the PyAV backend's answer (here its tokens), counted, and nothing left over."""
@@ -558,25 +559,23 @@ def test_a_file_that_crashes_decords_child_gets_pyavs_answer(seeds, tiny_models)
         ).result()
     finally:
         _close(pyav)
-    decord = _encoder(tiny_models, "decord")
-    try:
-        good = seeds["mp4_h264_bframes"]
-        assert decord.encode(good, SamplingOptions(num_frames=2)) is None  # the pool, driver and child up
-        threads = {t for t in threading.enumerate() if t.is_alive()}
-        num_fds = psutil.Process().num_fds()
-        restarts = decord.engine._decord.num_restarts
-        got = decord.driver.submit(
-            decord.engine.encode, MediaInput(data, ""), sampling, lambda e: None
-        ).result()
-        assert decord.engine._decord.num_restarts == restarts + 1  # it did crash decord's child
-        assert decord.engine.num_decord_fallbacks == 1
-        assert got.num_frames == expected.num_frames and got.meta.grid_thw == expected.meta.grid_thw
-        assert torch.equal(got.embeds, expected.embeds)
-        assert (why := _settled(decord, threads, num_fds)) is None, why
-        assert decord.encode(good, SamplingOptions(num_frames=3)) is None  # decord decodes again
-        assert decord.engine.num_decord_fallbacks == 1
-    finally:
-        _close(decord)
+    good = seeds["mp4_h264_bframes"]
+    assert encoder.encode(good, SamplingOptions(num_frames=2)) is None  # the pool, driver and child up
+    threads = {t for t in threading.enumerate() if t.is_alive()}
+    num_fds = psutil.Process().num_fds()
+    decord, fallbacks = encoder.engine._decord, encoder.engine.num_decord_fallbacks
+    assert decord is not None
+    restarts = decord.num_restarts
+    got = encoder.driver.submit(
+        encoder.engine.encode, MediaInput(data, ""), sampling, lambda e: None
+    ).result()
+    assert decord.num_restarts == restarts + 1  # it did crash decord's child
+    assert encoder.engine.num_decord_fallbacks == fallbacks + 1
+    assert got.num_frames == expected.num_frames and got.meta.grid_thw == expected.meta.grid_thw
+    assert torch.equal(got.embeds, expected.embeds)
+    assert (why := _settled(encoder, threads, num_fds)) is None, why
+    assert encoder.encode(good, SamplingOptions(num_frames=3)) is None  # decord decodes again
+    assert encoder.engine.num_decord_fallbacks == fallbacks + 1
 
 
 def test_a_crash_while_cancelled_or_closing_is_not_decoded_again(seeds, tiny_models):
