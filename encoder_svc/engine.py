@@ -39,6 +39,14 @@ for one (a call already queued on the model thread checks it again before it sta
 takes a queued tower job out of the core's queue at once), then closes the frame stream and
 raises RequestCancelled. (The decord backend decodes the whole sample in its child process
 first; a cancel there takes effect after it.)
+
+A request whose decord child crashes (`DecoderCrashed`: decord crashes on some damaged files, the
+same file every time, so a retry would not help) is decoded once more by the PyAV backend, as any
+PyAV request is (its plan, limits, cancel flag and time limits; the decord child was replaced
+already): the client gets PyAV's answer, tokens or PyAV's own error (INVALID_ARGUMENT for a
+corrupt file), and `num_decord_fallbacks` counts it (`epd_encoder_decord_fallbacks_total`).
+`DecoderCrashed` (UNAVAILABLE) is left only for a crash while the engine closes, when the PyAV
+backend is closed too; a request cancelled meanwhile stays cancelled.
 """
 
 from __future__ import annotations
@@ -77,7 +85,7 @@ from epd.video.decord_backend import DecordDecoder
 from epd.video.parallel_decoder import CLOSE_WAIT_S as PARALLEL_CLOSE_WAIT_S
 from epd.video.parallel_decoder import ParallelDecoder
 from epd.video.simple_decoder import check_duration
-from epd.video.types import DecodeCancelled, DecodedVideo, MediaError, SamplingOptions
+from epd.video.types import DecodeCancelled, DecodedVideo, DecoderCrashed, MediaError, SamplingOptions
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +122,9 @@ class EncoderEngine:
         """One decode and encode per cache key at a time (`encoder_svc/single_flight.py`)."""
         self._decord: DecordDecoder | None = None  # started on first use with decode_backend="decord"
         self._decord_lock = threading.Lock()
+        self.num_decord_fallbacks = 0
+        """Requests decoded by the PyAV backend after their decord child crashed, since start
+        (under `_decord_lock`)."""
         self._num_encoding = 0  # requests decoding and encoding now (cache misses)
         self._num_encoding_lock = threading.Lock()
 
@@ -277,9 +288,16 @@ class EncoderEngine:
         too, since a hit there shortens the decode time the client is told."""
         group_size = self.config.frames_per_group or (1 << 30)
         if (decord := self._decord_for(data, sha256, sampling, cache_salt)) is not None:
-            whole = decord.decode(data, sampling, self.config.limits, sha256=sha256, cache_salt=cache_salt)
-            step = self._merged_step(whole, group_size) if merge else group_size  # every frame is decoded
-            return whole, (_slice(whole, i, i + step) for i in range(0, whole.num_frames, step))
+            try:
+                whole = decord.decode(
+                    data, sampling, self.config.limits, sha256=sha256, cache_salt=cache_salt
+                )
+            except DecoderCrashed:
+                if not self._falls_back_to_pyav(cancel):
+                    raise
+            else:
+                step = self._merged_step(whole, group_size) if merge else group_size  # every frame is decoded
+                return whole, (_slice(whole, i, i + step) for i in range(0, whole.num_frames, step))
         stream = self.decoder.iter_groups(
             data,
             sampling,
@@ -322,6 +340,20 @@ class EncoderEngine:
             data, sampling, self.config.limits, sha256=sha256, cache_salt=cache_salt
         )
         return None if hand_over else self._decord
+
+    def _falls_back_to_pyav(self, cancel: threading.Event | None) -> bool:
+        """After the decord child crashed on this request: whether the PyAV backend decodes it
+        instead (False: the engine is closing, PyAV's pool with it). The same file crashes decord
+        every time (a retry would not help), and PyAV decodes most such files or refuses them as
+        corrupt. A request cancelled meanwhile stays cancelled."""
+        if cancel is not None and cancel.is_set():
+            raise DecodeCancelled("cancelled while the decord backend decoded")
+        if self.decoder.closed:
+            return False
+        with self._decord_lock:
+            self.num_decord_fallbacks += 1
+        log.warning("the decord child crashed on this request; decoding it with the PyAV backend instead")
+        return True
 
     def _merged_step(self, whole: DecodedVideo, group_size: int) -> int:
         """Frames per group of a video decoded whole: groups merged within the config's bounds."""

@@ -22,6 +22,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 from epd.encoder_svc.driver import PendingFeatures
 from epd.encoder_svc.engine import EncoderEngine
@@ -93,7 +94,9 @@ class LocalEncodeStage(EncodeStage):
         self.runner: EncodeRunner = self.core.runner
 
     def load(self) -> EngineLoad:
-        return self.core.load()
+        """What the encoder core is doing now, and the requests its decord backend handed to PyAV
+        after a crash."""
+        return replace(self.core.load(), decord_fallbacks=self.engine.num_decord_fallbacks)
 
     def close(self, wait_s: float | None = None) -> None:
         """Stop the request drivers and the decode workers (not the model thread: its owner's),

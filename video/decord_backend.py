@@ -9,8 +9,9 @@ one long-lived child (spawned, not forked, since the parent has
 decode threads) takes requests over a pipe and writes the frames into shared memory, which the
 parent copies out. A request that takes longer than `timeout_s` kills the child; the next
 request starts a fresh one. A child that dies while it works on a request (a crash in decord,
-the OOM killer) is reaped and replaced, and the request fails with `DecoderCrashed` (UNAVAILABLE:
-retry; nothing is known to be wrong with the video).
+the OOM killer) is reaped and replaced, and the request fails with `DecoderCrashed`; the encoder
+then decodes it with the PyAV backend instead (decord crashes on some damaged files every time:
+`encoder_svc/engine.py`).
 
 Untrusted bytes: decord probes the container itself (its FFmpeg, every demuxer, no whitelist),
 so the parent first vets them with `epd.video.media_open.sniff_container` (only MP4/MOV, Matroska/

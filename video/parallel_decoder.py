@@ -221,6 +221,11 @@ class ParallelDecoder:
             self._tasks.put(task)
         return stream
 
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called: `iter_groups` refuses work from then on."""
+        return self._closed
+
     def close(self, wait_s: float | None = None) -> None:
         """Stop the pool: running shares finish their current frame, threads exit. Every worker is
         told to stop first, then all are waited for together, for at most `wait_s` in all

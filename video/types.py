@@ -42,8 +42,8 @@ class MediaLimitError(MediaError):
 
 class DecoderCrashed(Exception):
     """The decoder's process died while it worked on the request (a crash inside the decoder, the
-    OOM killer) and has been restarted: nothing is known to be wrong with the media. Maps to
-    UNAVAILABLE (retry)."""
+    OOM killer) and has been restarted. The encoder decodes such a request with the PyAV backend
+    instead; what reaches a client (the encoder closing under it) maps to UNAVAILABLE (retry)."""
 
 
 class DecodeCancelled(Exception):

@@ -289,6 +289,17 @@ _PREFILL_COUNTERS = _PREFIX_COUNTERS + [
     )
 ]
 
+# The encoder's decode backends (`encoder_svc/engine.py`), on the encoder cores' samples only.
+_ENCODER_COUNTERS = [
+    (
+        "epd_encoder_decord_fallbacks_total",
+        "Requests the encoder decoded with PyAV after their decord child crashed (--decode-backend "
+        "decord), since start.",
+        "decord_fallbacks",
+    )
+]
+_ENCODER_STAGE = "encoder"
+
 Family = GaugeMetricFamily | CounterMetricFamily
 
 
@@ -348,11 +359,11 @@ class EngineLoadCollector:
         self.loads = loads
 
     def describe(self) -> Iterator[Metric]:
-        engine, prefill, dropped = self._families()
-        yield from [family for family, _ in engine + prefill] + [dropped]
+        engine, prefill, encoder, dropped = self._families()
+        yield from [family for family, _ in engine + prefill + encoder] + [dropped]
 
     def collect(self) -> Iterator[Metric]:
-        engine, prefill, dropped = self._families()
+        engine, prefill, encoder, dropped = self._families()
         for source, load in self.loads:
             labels = [source.stage, load.stage, source.replica]
             for family, attr in engine:
@@ -362,12 +373,17 @@ class EngineLoadCollector:
                     family.add_metric(labels, float(getattr(load, attr)))
                 for reason, attr in _KV_STORE_DROP_REASONS:
                     dropped.add_metric([*labels, reason], float(getattr(load, attr)))
-        yield from [family for family, _ in engine + prefill] + [dropped]
+            if source.stage == _ENCODER_STAGE:
+                for family, attr in encoder:
+                    family.add_metric(labels, float(getattr(load, attr)))
+        yield from [family for family, _ in engine + prefill + encoder] + [dropped]
 
     @staticmethod
-    def _families() -> tuple[list[tuple[Family, str]], list[tuple[Family, str]], CounterMetricFamily]:
-        """(every core's families, the prefill cores' own, the KV store's drops by reason), each
-        family with the `EngineLoad` field it shows; empty, filled by `collect`."""
+    def _families() -> tuple[
+        list[tuple[Family, str]], list[tuple[Family, str]], list[tuple[Family, str]], CounterMetricFamily
+    ]:
+        """(every core's families, the prefill cores' own, the encoder cores' own, the KV store's
+        drops by reason), each family with the `EngineLoad` field it shows; empty, filled by `collect`."""
 
         def of(
             gauges: list[tuple[str, str, str]], counters: list[tuple[str, str, str]]
@@ -377,4 +393,9 @@ class EngineLoadCollector:
             ]
 
         dropped = CounterMetricFamily(*_KV_STORE_DROPPED, labels=[*LABELS, "reason"])
-        return of(_GAUGES, _COUNTERS), of(_PREFILL_GAUGES, _PREFILL_COUNTERS), dropped
+        return (
+            of(_GAUGES, _COUNTERS),
+            of(_PREFILL_GAUGES, _PREFILL_COUNTERS),
+            of([], _ENCODER_COUNTERS),
+            dropped,
+        )

@@ -110,6 +110,9 @@ class EngineLoad:
     """Caches released (their request ended) before a decoder confirmed them, since start."""
     kv_store_refused: int = 0
     """Caches the store refused for want of room (--kv-store-bytes), since start."""
+    decord_fallbacks: int = 0
+    """The encoder's (0 elsewhere): requests the PyAV backend decoded after their decord child
+    crashed (`--decode-backend decord`), since start."""
 
 
 class Scheduler(ABC, Generic[R]):

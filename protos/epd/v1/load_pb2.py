@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x65pd/v1/load.proto\x12\x06\x65pd.v1\"\x10\n\x0eGetLoadRequest\"\xec\x04\n\nEngineLoad\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x03\x12\x17\n\x0flast_batch_size\x18\x04 \x01(\x03\x12\x11\n\tnum_steps\x18\x05 \x01(\x03\x12\x1a\n\x12queue_wait_s_total\x18\x06 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\x03\x12\x19\n\x11memory_used_bytes\x18\x08 \x01(\x03\x12\x1a\n\x12memory_total_bytes\x18\t \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x03\x12\x1b\n\x13prefix_cache_misses\x18\x0b \x01(\x03\x12\x1e\n\x16prefix_cache_evictions\x18\x0c \x01(\x03\x12\x1c\n\x14prefix_cache_entries\x18\r \x01(\x03\x12\x1a\n\x12prefix_cache_bytes\x18\x0e \x01(\x03\x12\x17\n\x0fkv_store_caches\x18\x0f \x01(\x03\x12\x1b\n\x13kv_store_used_bytes\x18\x10 \x01(\x03\x12\x1c\n\x14kv_store_total_bytes\x18\x11 \x01(\x03\x12\x18\n\x10kv_store_expired\x18\x12 \x01(\x03\x12\x19\n\x11kv_store_released\x18\x13 \x01(\x03\x12\x18\n\x10kv_store_refused\x18\x14 \x01(\x03\x12!\n\x19prefix_cache_query_tokens\x18\x15 \x01(\x03\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x16 \x01(\x03\x12\x14\n\x0cnum_requests\x18\x17 \x01(\x03\"4\n\x0fGetLoadResponse\x12!\n\x05\x63ores\x18\x01 \x03(\x0b\x32\x12.epd.v1.EngineLoad2I\n\x0bLoadService\x12:\n\x07GetLoad\x12\x16.epd.v1.GetLoadRequest\x1a\x17.epd.v1.GetLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x65pd/v1/load.proto\x12\x06\x65pd.v1\"\x10\n\x0eGetLoadRequest\"\x86\x05\n\nEngineLoad\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x03\x12\x17\n\x0flast_batch_size\x18\x04 \x01(\x03\x12\x11\n\tnum_steps\x18\x05 \x01(\x03\x12\x1a\n\x12queue_wait_s_total\x18\x06 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\x03\x12\x19\n\x11memory_used_bytes\x18\x08 \x01(\x03\x12\x1a\n\x12memory_total_bytes\x18\t \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x03\x12\x1b\n\x13prefix_cache_misses\x18\x0b \x01(\x03\x12\x1e\n\x16prefix_cache_evictions\x18\x0c \x01(\x03\x12\x1c\n\x14prefix_cache_entries\x18\r \x01(\x03\x12\x1a\n\x12prefix_cache_bytes\x18\x0e \x01(\x03\x12\x17\n\x0fkv_store_caches\x18\x0f \x01(\x03\x12\x1b\n\x13kv_store_used_bytes\x18\x10 \x01(\x03\x12\x1c\n\x14kv_store_total_bytes\x18\x11 \x01(\x03\x12\x18\n\x10kv_store_expired\x18\x12 \x01(\x03\x12\x19\n\x11kv_store_released\x18\x13 \x01(\x03\x12\x18\n\x10kv_store_refused\x18\x14 \x01(\x03\x12!\n\x19prefix_cache_query_tokens\x18\x15 \x01(\x03\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x16 \x01(\x03\x12\x14\n\x0cnum_requests\x18\x17 \x01(\x03\x12\x18\n\x10\x64\x65\x63ord_fallbacks\x18\x18 \x01(\x03\"4\n\x0fGetLoadResponse\x12!\n\x05\x63ores\x18\x01 \x03(\x0b\x32\x12.epd.v1.EngineLoad2I\n\x0bLoadService\x12:\n\x07GetLoad\x12\x16.epd.v1.GetLoadRequest\x1a\x17.epd.v1.GetLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,9 +34,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETLOADREQUEST']._serialized_start=29
   _globals['_GETLOADREQUEST']._serialized_end=45
   _globals['_ENGINELOAD']._serialized_start=48
-  _globals['_ENGINELOAD']._serialized_end=668
-  _globals['_GETLOADRESPONSE']._serialized_start=670
-  _globals['_GETLOADRESPONSE']._serialized_end=722
-  _globals['_LOADSERVICE']._serialized_start=724
-  _globals['_LOADSERVICE']._serialized_end=797
+  _globals['_ENGINELOAD']._serialized_end=694
+  _globals['_GETLOADRESPONSE']._serialized_start=696
+  _globals['_GETLOADRESPONSE']._serialized_end=748
+  _globals['_LOADSERVICE']._serialized_start=750
+  _globals['_LOADSERVICE']._serialized_end=823
 # @@protoc_insertion_point(module_scope)

@@ -11,7 +11,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("stage", "num_running", "num_waiting", "last_batch_size", "num_steps", "queue_wait_s_total", "num_preemptions", "memory_used_bytes", "memory_total_bytes", "prefix_cache_hits", "prefix_cache_misses", "prefix_cache_evictions", "prefix_cache_entries", "prefix_cache_bytes", "kv_store_caches", "kv_store_used_bytes", "kv_store_total_bytes", "kv_store_expired", "kv_store_released", "kv_store_refused", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "num_requests")
+    __slots__ = ("stage", "num_running", "num_waiting", "last_batch_size", "num_steps", "queue_wait_s_total", "num_preemptions", "memory_used_bytes", "memory_total_bytes", "prefix_cache_hits", "prefix_cache_misses", "prefix_cache_evictions", "prefix_cache_entries", "prefix_cache_bytes", "kv_store_caches", "kv_store_used_bytes", "kv_store_total_bytes", "kv_store_expired", "kv_store_released", "kv_store_refused", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "num_requests", "decord_fallbacks")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class EngineLoad(_message.Message):
     PREFIX_CACHE_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    DECORD_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     stage: str
     num_running: int
     num_waiting: int
@@ -58,7 +59,8 @@ class EngineLoad(_message.Message):
     prefix_cache_query_tokens: int
     prefix_cache_hit_tokens: int
     num_requests: int
-    def __init__(self, stage: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., last_batch_size: _Optional[int] = ..., num_steps: _Optional[int] = ..., queue_wait_s_total: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_misses: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., prefix_cache_entries: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., kv_store_caches: _Optional[int] = ..., kv_store_used_bytes: _Optional[int] = ..., kv_store_total_bytes: _Optional[int] = ..., kv_store_expired: _Optional[int] = ..., kv_store_released: _Optional[int] = ..., kv_store_refused: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_requests: _Optional[int] = ...) -> None: ...
+    decord_fallbacks: int
+    def __init__(self, stage: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., last_batch_size: _Optional[int] = ..., num_steps: _Optional[int] = ..., queue_wait_s_total: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_misses: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., prefix_cache_entries: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., kv_store_caches: _Optional[int] = ..., kv_store_used_bytes: _Optional[int] = ..., kv_store_total_bytes: _Optional[int] = ..., kv_store_expired: _Optional[int] = ..., kv_store_released: _Optional[int] = ..., kv_store_refused: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_requests: _Optional[int] = ..., decord_fallbacks: _Optional[int] = ...) -> None: ...
 
 class GetLoadResponse(_message.Message):
     __slots__ = ("cores",)

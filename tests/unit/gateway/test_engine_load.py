@@ -137,7 +137,7 @@ async def _load_servers(*names: str) -> tuple[list[grpc.aio.Server], list[str]]:
     """One in-process LoadService per name, reporting an engine core of that name."""
     servers, addresses = [], []
     for name in names:
-        stage = FakeStage(EngineLoad(name, num_steps=len(name), memory_total_bytes=64))
+        stage = FakeStage(EngineLoad(name, num_steps=len(name), memory_total_bytes=64, decord_fallbacks=3))
         server = grpc.aio.server()
         with_load_service(lambda s: None, lambda stage=stage: stage_loads(stage))(server)
         port = server.add_insecure_port("127.0.0.1:0")
@@ -150,7 +150,8 @@ async def _load_servers(*names: str) -> tuple[list[grpc.aio.Server], list[str]]:
 
 def test_remote_replicas_are_read_over_load_service():
     """Two encoder replicas (one up, one down), one prefill and one decode replica: every
-    replica is asked, by the address the gateway calls."""
+    replica is asked, by the address the gateway calls. The encoder's decode fallbacks are on the
+    encoder's samples only."""
 
     async def scenario():
         servers, listed = await _load_servers("encoder", "prefill", "decode")
@@ -179,6 +180,8 @@ def test_remote_replicas_are_read_over_load_service():
         assert _engine(metrics, "epd_engine_steps_total", name, name, address) == len(name)
         assert _engine(metrics, "epd_engine_memory_total_bytes", name, name, address) == 64
         assert metrics.value("epd_load_scrape_errors_total", stage=name, replica=address) == 0
+        fallbacks = _engine(metrics, "epd_encoder_decord_fallbacks_total", name, name, address)
+        assert fallbacks == (3 if name == "encoder" else None), name
     assert _engine(metrics, "epd_engine_steps_total", "encoder", "encoder", down) is None
     assert metrics.value("epd_load_scrape_errors_total", stage="encoder", replica=down) == 1
 
