@@ -32,6 +32,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -131,7 +132,9 @@ def check_refusal(answer: Answer, body: dict) -> None:
 
 # --- strategies: the options a request may carry ---
 
-WORDS = st.sampled_from(["a", "e", "o", " ", "the", "red", "ab", "x", "ing", ".", "\n"])
+WORDS = st.sampled_from(
+    ["a", "e", "o", " ", "the", "red", "ab", "x", "ing", ".", "\n", "re", "in", "the red", "{"]
+)
 TEXT = st.lists(st.sampled_from(["what", "is", "the", "red", "square", "doing", "?", "say", "hi"]), min_size=1,
                 max_size=8).map(" ".join)  # fmt: skip
 GREEDY = {"temperature": 0.0}
@@ -191,6 +194,14 @@ def ending(draw, max_tokens: int, allowed: bool = False) -> dict[str, Any]:
     return out
 
 
+VIDEO_SAMPLING = st.one_of(
+    st.fixed_dictionaries({"num_frames": st.integers(2, 4)}),
+    st.fixed_dictionaries({"fps": st.sampled_from([0.5, 1.0, 2.0]), "max_frames": st.integers(2, 4)},
+                          optional={"start_time_s": st.sampled_from([0.0, 1.5]), "end_time_s": st.sampled_from([4.0, 8.0])}),
+)  # fmt: skip
+"""The `media` frame sampling of a request with the test video (8 s): a few frames, so it stays fast."""
+DECODING = st.fixed_dictionaries({}, optional={"skip_special_tokens": st.booleans(),
+                                               "spaces_between_special_tokens": st.booleans()})  # fmt: skip
 STRUCTURED = st.sampled_from([
     {"response_format": {"type": "json_object"}},
     {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
@@ -198,6 +209,9 @@ STRUCTURED = st.sampled_from([
     {"response_format": {"type": "text"}},
     {"structured_outputs": {"choice": ["yes", "no", "maybe"]}},
     {"structured_outputs": {"regex": "[a-z]{1,6}"}},
+    {"structured_outputs": {"grammar": 'root ::= "yes" | "no" | "red square"'}},
+    {"structured_outputs": {"json": {"type": "object", "properties": {"c": {"enum": ["red", "blue"]}},
+                                     "required": ["c"]}}},
 ])  # fmt: skip
 TOOL = {"type": "function", "function": {"name": "get_colour", "description": "the square's colour",
         "parameters": {"type": "object", "properties": {"where": {"type": "string"}}}}}  # fmt: skip
@@ -214,7 +228,7 @@ tool call) no token to take: a 400 saying so, not an answer (not drawn together)
 @st.composite
 def common(draw, max_tokens: int, streamable: bool = True) -> dict[str, Any]:
     """The options chat and completions share (not logprobs: each door has its own form)."""
-    body: dict[str, Any] = {**draw(sampling()), **draw(shaping())}
+    body: dict[str, Any] = {**draw(sampling()), **draw(shaping()), **draw(DECODING)}
     body.update(draw(ending(max_tokens, "allowed_token_ids" in body)))
     if draw(st.integers(0, 3)) == 0:
         body["n"] = draw(st.integers(2, 3))
@@ -237,8 +251,13 @@ def common(draw, max_tokens: int, streamable: bool = True) -> dict[str, Any]:
     return body
 
 
+MAX_TOKENS = st.one_of(st.integers(1, 8), st.integers(9, 32))
+"""Mostly short answers (the tiny model is fast, but two cores are shared), some longer ones, where
+stop strings are held back and matched across steps."""
+
+
 def max_tokens_field(draw) -> tuple[str, int]:
-    return draw(st.sampled_from(["max_tokens", "max_completion_tokens"])), draw(st.integers(1, 8))
+    return draw(st.sampled_from(["max_tokens", "max_completion_tokens"])), draw(MAX_TOKENS)
 
 
 OUT_OF_RANGE = {
@@ -298,7 +317,7 @@ def chat_bodies(draw) -> tuple[dict[str, Any], str | None]:
     name, max_tokens = max_tokens_field(draw)
     body: dict[str, Any] = {"messages": messages, name: max_tokens, **draw(common(max_tokens))}
     if media == "video":
-        body["media"] = {"num_frames": draw(st.integers(2, 4))}
+        body["media"] = draw(VIDEO_SAMPLING)
     if draw(st.integers(0, 2)) == 0:
         body["logprobs"] = True
         if draw(st.booleans()):
@@ -310,6 +329,11 @@ def chat_bodies(draw) -> tuple[dict[str, Any], str | None]:
         )
     if draw(st.integers(0, 5)) == 0:
         body["echo"] = True
+    if (
+        draw(st.integers(0, 5)) == 0
+    ):  # the answer goes on from an assistant message's start (echoed with echo)
+        messages.append({"role": "assistant", "content": draw(TEXT)})
+        body.update(add_generation_prompt=False, continue_final_message=True)
     return body, spoil(draw, body, chat=True)
 
 
@@ -331,10 +355,21 @@ def test_chat_completions(stack, media_urls):
                 whole = chat_choices(body, other.body)
             else:
                 streamed = chat_stream_choices(flipped(body), other.body)
-            assert streamed is not None
-            assert whole == streamed, (body, whole, streamed)
+            same_answer(body, whole, streamed)
 
     run()
+
+
+def token_counts(usage: dict | None) -> tuple[int, int] | None:
+    return None if usage is None else (usage["prompt_tokens"], usage["completion_tokens"])
+
+
+def same_answer(body: dict, whole: Answered | None, streamed: Answered | None) -> None:
+    """The same choices, and the same prompt and completion tokens where both say them."""
+    assert whole is not None and streamed is not None
+    assert whole[0] == streamed[0], (body, whole[0], streamed[0])
+    if whole[1] is not None and streamed[1] is not None:
+        assert whole[1] == streamed[1], (body, whole[1], streamed[1])
 
 
 @dataclass(frozen=True)
@@ -347,6 +382,10 @@ class Choice:
     token_ids: tuple[int, ...] | None
     logprob_tokens: tuple[str, ...] | None
     tool_calls: tuple[tuple[str, str], ...]
+
+
+Answered = tuple[list[Choice], tuple[int, int] | None]
+"""An answer's choices and its (prompt, completion) token counts, where it says them."""
 
 
 def greedy(body: dict) -> bool:
@@ -377,8 +416,11 @@ def stop_strings(body: dict) -> list[str]:
 
 
 def check_choice(body: dict, choice: Choice, count: int | None) -> None:
-    """The length, finish reason and stop-string properties of one choice of `count` tokens."""
+    """The length, finish reason and stop-string properties of one choice of `count` tokens; a
+    chat echo's text starts with the final assistant message it continues (vLLM's)."""
     max_tokens = max_tokens_of(body)
+    if body.get("echo") and body.get("continue_final_message") and not choice.tool_calls:
+        assert choice.text.startswith(body["messages"][-1]["content"]), (choice, body)
     if count is not None:
         assert 1 <= count <= max_tokens or (count == 0 and choice.finish_reason == "stop"), (count, body)
         if choice.finish_reason == "length":
@@ -387,6 +429,8 @@ def check_choice(body: dict, choice: Choice, count: int | None) -> None:
             assert choice.finish_reason in ("stop", "tool_calls"), (count, choice, body)
         assert count >= min(body.get("min_tokens", 0), max_tokens), (count, choice, body)
     assert choice.finish_reason in ("stop", "length", "tool_calls"), choice
+    if choice.finish_reason == "stop" and not choice.tool_calls and not body.get("echo"):
+        check_structured(body, choice.text)
     # vLLM's detokenizer looks for stop strings only once more than min_tokens tokens are in, and
     # only where they end in the text those later tokens add: the first ones' text may hold one.
     # An echo's prompt text is not looked at.
@@ -395,6 +439,28 @@ def check_choice(body: dict, choice: Choice, count: int | None) -> None:
             assert stop not in choice.text[: -len(stop)], (stop, choice, body)
         else:
             assert stop not in choice.text, (stop, choice, body)
+
+
+def check_structured(body: dict, text: str) -> None:
+    """An answer the end-of-sequence token ended keeps to its structured-output constraint whole
+    (a stop string or stop token may cut it first: not looked at then)."""
+    if stop_strings(body) or body.get("stop_token_ids"):
+        return
+    spec = body.get("structured_outputs") or {}
+    kind = (body.get("response_format") or (body.get("text") or {}).get("format") or {}).get("type")
+    if kind in ("json_object", "json_schema") or "json" in spec:
+        value = json.loads(text)
+        assert isinstance(value, dict), text
+        if kind == "json_schema":
+            assert isinstance(value["x"], int), text
+        if "json" in spec:
+            assert value["c"] in ("red", "blue"), text
+    elif "choice" in spec:
+        assert text in spec["choice"], text
+    elif "regex" in spec:
+        assert re.fullmatch(spec["regex"], text), text
+    elif "grammar" in spec:
+        assert text in ("yes", "no", "red square"), text
 
 
 def check_usage(body: dict, usage: dict, prompt_ids: list[int] | None, counts: list[int | None]) -> None:
@@ -428,7 +494,7 @@ def check_top_logprobs(
                 assert all(logprob >= other for _, other in tops), (token, logprob, tops)
 
 
-def chat_choices(body: dict, answer: dict) -> list[Choice]:
+def chat_choices(body: dict, answer: dict) -> Answered:
     ChatCompletion.model_validate(answer)
     n = body.get("n", 1)
     assert [c["index"] for c in answer["choices"]] == list(range(n)), answer["choices"]
@@ -461,7 +527,7 @@ def chat_choices(body: dict, answer: dict) -> list[Choice]:
         assert answer["prompt_logprobs"][0] is None, answer["prompt_logprobs"][:2]
         assert len(answer["prompt_logprobs"]) == answer["usage"]["prompt_tokens"], answer["usage"]
         check_prompt_logprobs(body["prompt_logprobs"], answer["prompt_logprobs"])
-    return choices
+    return choices, token_counts(answer["usage"])
 
 
 def check_prompt_logprobs(k: int, entries: list[dict[str, dict] | None]) -> None:
@@ -497,6 +563,8 @@ def stream_steps(
             parts[-1] = chunk["usage"]
             continue
         assert ("usage" in chunk) == bool(continuous), chunk
+        if continuous:  # the same prompt on every chunk
+            assert chunk["usage"]["prompt_tokens"] == chunks[0]["usage"]["prompt_tokens"], chunk
         for c in chunk["choices"]:
             part = parts[c["index"]]
             if continuous and body.get("return_token_ids"):
@@ -509,7 +577,7 @@ def stream_steps(
     assert (-1 in parts) == bool(usage_asked), chunks[-1:]
 
 
-def chat_stream_choices(body: dict, chunks: list[dict]) -> list[Choice]:
+def chat_stream_choices(body: dict, chunks: list[dict]) -> Answered:
     """The choices the chunks add up to, each chunk checked on the way."""
     parts: dict[int, dict[str, Any]] = {
         i: {"text": "", "ids": [], "tokens": [], "finish": None, "calls": {}, "prompt_ids": None}
@@ -536,7 +604,7 @@ def chat_stream_choices(body: dict, chunks: list[dict]) -> list[Choice]:
 
 def streamed_choices(
     body: dict, parts: dict[int, dict[str, Any]], tokens: Callable[[dict], list[str] | None]
-) -> list[Choice]:
+) -> Answered:
     """The `Choice`s of a stream's `parts` (`stream_steps`), each checked, and the usage chunk's
     usage; `tokens`: a part's generated tokens by their logprobs, None when not asked."""
     choices, counts = [], []
@@ -555,7 +623,7 @@ def streamed_choices(
         counts.append(count)
     if -1 in parts:
         check_usage(body, parts[-1], parts[0]["prompt_ids"], counts)
-    return choices
+    return choices, token_counts(parts.get(-1))
 
 
 # --- legacy completions ---
@@ -593,7 +661,7 @@ def test_completions(stack):
                 whole = completion_choices(body, other.body)
             else:
                 streamed = completion_stream_choices(flipped(body), other.body)
-            assert whole == streamed, (body, whole, streamed)
+            same_answer(body, whole, streamed)
 
     run()
 
@@ -619,7 +687,7 @@ def validate_completion(answer: dict, chunk: bool = False) -> None:
     Completion.model_validate(copy)
 
 
-def completion_choices(body: dict, answer: dict) -> list[Choice]:
+def completion_choices(body: dict, answer: dict) -> Answered:
     validate_completion(answer)
     n = body.get("n", 1)
     assert [c["index"] for c in answer["choices"]] == list(range(n)), answer["choices"]
@@ -652,10 +720,10 @@ def completion_choices(body: dict, answer: dict) -> list[Choice]:
             assert c["prompt_logprobs"][0] is None, c["prompt_logprobs"][:2]
             assert len(c["prompt_logprobs"]) == answer["usage"]["prompt_tokens"], answer["usage"]
             check_prompt_logprobs(body["prompt_logprobs"], c["prompt_logprobs"])
-    return choices
+    return choices, token_counts(answer["usage"])
 
 
-def completion_stream_choices(body: dict, chunks: list[dict]) -> list[Choice]:
+def completion_stream_choices(body: dict, chunks: list[dict]) -> Answered:
     parts: dict[int, dict[str, Any]] = {
         i: {"text": "", "ids": [], "tokens": [], "finish": None, "prompt_ids": None}
         for i in range(body.get("n", 1))
@@ -698,8 +766,8 @@ def responses_bodies(draw) -> tuple[dict[str, Any], str | None]:
         items.append({"type": "message", "role": "user", "content": parts})
         body = {"input": items}
     if media == "video":
-        body["media"] = {"num_frames": draw(st.integers(2, 4))}
-    max_tokens = draw(st.integers(1, 8))
+        body["media"] = draw(VIDEO_SAMPLING)
+    max_tokens = draw(MAX_TOKENS)
     body["max_output_tokens"] = max_tokens
     if draw(st.booleans()):
         body["instructions"] = draw(TEXT)
@@ -708,7 +776,9 @@ def responses_bodies(draw) -> tuple[dict[str, Any], str | None]:
     body.update(draw(ending(max_tokens, "allowed_token_ids" in body)))
     free = not CONFLICTING & set(body)
     if draw(st.integers(0, 3)) == 0 and free:
-        body["text"] = {"format": draw(st.sampled_from([{"type": "text"}, {"type": "json_object"}]))}
+        body["text"] = {"format": draw(st.sampled_from([{"type": "text"}, {"type": "json_object"}, {
+            "type": "json_schema", "name": "a", "schema": {"type": "object", "properties": {"x": {"type": "integer"}},
+                                                           "required": ["x"]}}]))}  # fmt: skip
     elif draw(st.integers(0, 3)) == 0:
         body["tools"] = [RESPONSES_TOOL]
         choices = ["none", "auto", "required", {"type": "function", "name": "get_colour"}]
@@ -800,6 +870,8 @@ def response_summary(body: dict, response: dict) -> tuple:
     calls = tuple(
         (item["name"], item["arguments"]) for item in response["output"] if item["type"] == "function_call"
     )
+    if response["status"] == "completed" and not calls:
+        check_structured(body, text)
     logprobs = None
     if body.get("include") and not calls:
         entries = [lp for item in response["output"] if item["type"] == "message" for part in item["content"]
@@ -810,7 +882,7 @@ def response_summary(body: dict, response: dict) -> tuple:
         logprobs = tuple(e["token"] for e in entries)
         if text:
             assert len(entries) == usage["output_tokens"], (entries, usage)
-    return text, calls, response["status"], usage["output_tokens"], logprobs
+    return text, calls, response["status"], usage["input_tokens"], usage["output_tokens"], logprobs
 
 
 def test_healthy_after(stack):
