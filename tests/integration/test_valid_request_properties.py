@@ -36,6 +36,7 @@ import re
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,7 @@ PROMPT_IDS = TOKEN_IDS.filter(lambda i: i not in (5, 6))
 """A prompt's token ids: not the image and video placeholders, which only chat's media parts put
 in a prompt (a completion's are a 400)."""
 STREAM_EVENTS = TypeAdapter(ResponseStreamEvent)
+EOS_TOKEN_ID = 2  # the tiny model's <|im_end|>, its generation config's only end-of-sequence id
 
 
 @pytest.fixture(scope="module")
@@ -341,35 +343,33 @@ def test_chat_completions(stack, media_urls):
     @VALID
     @given(case=chat_bodies())
     def run(case: tuple[dict[str, Any], str | None]) -> None:
-        body, spoilt = case
-        answer = post(stack.http_port, CHAT, body, media_urls)
-        if spoilt is not None:
-            return check_refusal(answer, body)
-        assert answer.status == 200, (answer.status, answer.body, body)
-        whole = chat_choices(body, answer.body) if not body.get("stream") else None
-        streamed = chat_stream_choices(body, answer.body) if body.get("stream") else None
-        if reproducible(body):  # the same request the other way: the same answer
-            other = post(stack.http_port, CHAT, flipped(body), media_urls)
-            assert other.status == 200, (other.status, other.body, body)
-            if whole is None:
-                whole = chat_choices(body, other.body)
-            else:
-                streamed = chat_stream_choices(flipped(body), other.body)
-            same_answer(body, whole, streamed)
+        ask(stack.http_port, CHAT, case, media_urls)
 
     run()
+
+
+def ask(port: int, path: str, case: tuple[dict[str, Any], str | None], media_urls: dict[str, str]) -> None:
+    """Post a chat or completions `case`: a spoilt one is refused; a valid one's answer is
+    checked, and a reproducible one's is the same asked the other way (streamed or not)."""
+    body, spoilt = case
+    answer = post(port, path, body, media_urls)
+    if spoilt is not None:
+        return check_refusal(answer, body)
+    first = answered(path, body, answer)
+    if reproducible(body):
+        second = answered(path, flipped(body), post(port, path, flipped(body), media_urls))
+        same_answer(body, first, second)
 
 
 def token_counts(usage: dict | None) -> tuple[int, int] | None:
     return None if usage is None else (usage["prompt_tokens"], usage["completion_tokens"])
 
 
-def same_answer(body: dict, whole: Answered | None, streamed: Answered | None) -> None:
+def same_answer(body: dict, first: Answered, second: Answered) -> None:
     """The same choices, and the same prompt and completion tokens where both say them."""
-    assert whole is not None and streamed is not None
-    assert whole[0] == streamed[0], (body, whole[0], streamed[0])
-    if whole[1] is not None and streamed[1] is not None:
-        assert whole[1] == streamed[1], (body, whole[1], streamed[1])
+    assert first[0] == second[0], (body, first[0], second[0])
+    if first[1] is not None and second[1] is not None:
+        assert first[1] == second[1], (body, first[1], second[1])
 
 
 @dataclass(frozen=True)
@@ -429,6 +429,11 @@ def check_choice(body: dict, choice: Choice, count: int | None) -> None:
             assert choice.finish_reason in ("stop", "tool_calls"), (count, choice, body)
         assert count >= min(body.get("min_tokens", 0), max_tokens), (count, choice, body)
     assert choice.finish_reason in ("stop", "length", "tool_calls"), choice
+    if choice.token_ids is not None:  # each request's own token rules, whatever else was batched with it
+        if "allowed_token_ids" in body:
+            assert set(choice.token_ids) <= set(body["allowed_token_ids"]), (choice, body)
+        ending = set(body.get("stop_token_ids", ())) | (set() if body.get("ignore_eos") else {EOS_TOKEN_ID})
+        assert not ending & set(choice.token_ids[:-1]), (choice, body)
     if choice.finish_reason == "stop" and not choice.tool_calls and not body.get("echo"):
         check_structured(body, choice.text)
     # vLLM's detokenizer looks for stop strings only once more than min_tokens tokens are in, and
@@ -647,21 +652,7 @@ def test_completions(stack):
     @VALID
     @given(case=completion_bodies())
     def run(case: tuple[dict[str, Any], str | None]) -> None:
-        body, spoilt = case
-        answer = post(stack.http_port, COMPLETIONS, body)
-        if spoilt is not None:
-            return check_refusal(answer, body)
-        assert answer.status == 200, (answer.status, answer.body, body)
-        whole = completion_choices(body, answer.body) if not body.get("stream") else None
-        streamed = completion_stream_choices(body, answer.body) if body.get("stream") else None
-        if reproducible(body):
-            other = post(stack.http_port, COMPLETIONS, flipped(body))
-            assert other.status == 200, (other.status, other.body, body)
-            if whole is None:
-                whole = completion_choices(body, other.body)
-            else:
-                streamed = completion_stream_choices(flipped(body), other.body)
-            same_answer(body, whole, streamed)
+        ask(stack.http_port, COMPLETIONS, case, {})
 
     run()
 
@@ -740,6 +731,39 @@ def completion_stream_choices(body: dict, chunks: list[dict]) -> Answered:
         return part["tokens"][len(part["prompt_ids"]) :] if body.get("echo") else part["tokens"]
 
     return streamed_choices(body, parts, tokens)
+
+
+# --- several at once ---
+
+
+def answered(path: str, body: dict, answer: Answer) -> Answered:
+    """A 200 chat or completions answer (whole or streamed), checked."""
+    assert answer.status == 200, (answer.status, answer.body, body)
+    stream, whole = (
+        (chat_stream_choices, chat_choices)
+        if path == CHAT
+        else (completion_stream_choices, completion_choices)
+    )
+    return stream(body, answer.body) if body.get("stream") else whole(body, answer.body)
+
+
+def test_side_by_side(stack, media_urls):
+    """Two to four valid chat and completions requests at once, so that the stages batch them:
+    each answer keeps its own request's options (lengths, stop and allowed tokens, n, logprobs' k,
+    usage) whatever ran beside it. Half as many examples as each endpoint's test."""
+    valid = st.tuples(st.just(CHAT), chat_bodies()) | st.tuples(st.just(COMPLETIONS), completion_bodies())
+
+    @settings(VALID, max_examples=max(MAX_EXAMPLES // 2, 3))
+    @given(calls=st.lists(valid.filter(lambda call: call[1][1] is None), min_size=2, max_size=4))
+    def run(calls: list[tuple[str, tuple[dict[str, Any], str | None]]]) -> None:
+        with ThreadPoolExecutor(len(calls)) as pool:
+            answers = list(
+                pool.map(lambda call: post(stack.http_port, call[0], call[1][0], media_urls), calls)
+            )
+        for (path, (body, _)), answer in zip(calls, answers, strict=True):
+            answered(path, body, answer)
+
+    run()
 
 
 # --- the Responses API ---
