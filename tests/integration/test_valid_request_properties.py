@@ -911,5 +911,7 @@ def response_summary(body: dict, response: dict) -> tuple:
 
 def test_healthy_after(stack):
     assert stack.alive()
+    with urllib.request.urlopen(f"http://127.0.0.1:{stack.http_port}/health", timeout=30) as reply:
+        assert reply.status == 200 and json.loads(reply.read()) == {"status": "ok"}
     answer = post(stack.http_port, CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert answer.status == 200 and answer.body["choices"][0]["finish_reason"] in ("stop", "length")
