@@ -21,6 +21,7 @@ EPD_MEDIA_FUZZ_EXAMPLES=20000 pytest tests/unit/video/test_media_fuzz.py (docs/s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
@@ -439,7 +440,37 @@ def _allowed_children(engine: EncoderEngine) -> set[int]:
     return allowed
 
 
-def _settled(encoder: Encoder, threads: set[threading.Thread], num_fds: int) -> str | None:
+@dataclass(frozen=True)
+class _Before:
+    """The process before an example: what must be back once it is over. Other tests of the same
+    run may own processes and sockets of the pytest process meanwhile (a session's shared stack and
+    its gRPC channels, which reconnect whenever they like), so those before are not the example's,
+    and sockets are not counted."""
+
+    threads: set[threading.Thread]
+    num_files: int
+    children: set[int]
+
+
+def _num_files() -> int:
+    """Open descriptors of this process but its sockets and event descriptors (gRPC's own): files,
+    pipes, shared memory, what a decode that leaked would hold."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            count += not os.readlink(f"/proc/self/fd/{fd}").startswith(("socket:", "anon_inode:"))
+    return count
+
+
+def _before() -> _Before:
+    return _Before(
+        threads={t for t in threading.enumerate() if t.is_alive()},
+        num_files=_num_files(),
+        children={c.pid for c in psutil.Process().children(recursive=True)},
+    )
+
+
+def _settled(encoder: Encoder, before: _Before) -> str | None:
     """Why the process is not back where it was (threads, open files, child processes, the pool),
     or None. Waits a few seconds for it: a decode thread that was stopped ends at its next frame."""
     engine = encoder.engine
@@ -447,16 +478,19 @@ def _settled(encoder: Encoder, threads: set[threading.Thread], num_fds: int) -> 
     for _ in range(100):
         alive = [t for t in threading.enumerate() if t.is_alive()]
         # A decode thread replaced after a stall is a new one: the pool's size is what must hold.
-        extra = [t.name for t in alive if t not in threads and not t.name.startswith("video-decode-")]
-        children = [
-            c for c in psutil.Process().children(recursive=True) if c.pid not in _allowed_children(engine)
-        ]
+        extra = [t.name for t in alive if t not in before.threads and not t.name.startswith("video-decode-")]
+        allowed = before.children | _allowed_children(engine)
+        children = [c for c in psutil.Process().children(recursive=True) if c.pid not in allowed]
         live = engine.decoder.num_live_workers
-        fds = psutil.Process().num_fds()
+        files = _num_files()
         pool_ok = live == engine.config.decode.num_workers
-        if not (extra or children or len(alive) > len(threads) or fds > num_fds) and pool_ok:
+        grew = len(alive) > len(before.threads) or files > before.num_files
+        if not (extra or children or grew) and pool_ok:
             return None
-        why = f"threads left {extra}, {len(alive)} > {len(threads)}; fds {fds} > {num_fds}; children {children}; pool {live}"
+        why = (
+            f"threads left {extra}, {len(alive)} > {len(before.threads)}; files {files} > "
+            f"{before.num_files}; children {children}; pool {live}"
+        )
         time.sleep(0.05)
     return why
 
@@ -466,8 +500,7 @@ def _settled(encoder: Encoder, threads: set[threading.Thread], num_fds: int) -> 
 def test_mutated_media_gets_tokens_or_a_documented_error(encoder, seeds, case):
     good = seeds["mp4_h264_bframes"]
     assert encoder.encode(good, SamplingOptions(num_frames=2)) is None  # the pool, driver and child up
-    threads = {t for t in threading.enumerate() if t.is_alive()}
-    num_fds = psutil.Process().num_fds()
+    before = _before()
     name, data = case.draw(mutated_media(seeds), label="media")
     sampling = case.draw(sampling_options, label="sampling")
     error = encoder.encode(data, sampling)
@@ -476,7 +509,7 @@ def test_mutated_media_gets_tokens_or_a_documented_error(encoder, seeds, case):
         assert code in DOCUMENTED, (name, code, repr(error))
         message = str(error)
         assert message and message.isprintable() and not LEAKS.search(message), (name, message)
-    assert (why := _settled(encoder, threads, num_fds)) is None, (name, why)
+    assert (why := _settled(encoder, before)) is None, (name, why)
     assert encoder.encode(good, SamplingOptions(num_frames=3)) is None  # still decodes a good file
 
 
@@ -561,8 +594,7 @@ def test_a_file_that_crashes_decords_child_gets_pyavs_answer(encoder, seeds, tin
         _close(pyav)
     good = seeds["mp4_h264_bframes"]
     assert encoder.encode(good, SamplingOptions(num_frames=2)) is None  # the pool, driver and child up
-    threads = {t for t in threading.enumerate() if t.is_alive()}
-    num_fds = psutil.Process().num_fds()
+    before = _before()
     decord, fallbacks = encoder.engine._decord, encoder.engine.num_decord_fallbacks
     assert decord is not None
     restarts = decord.num_restarts
@@ -573,7 +605,7 @@ def test_a_file_that_crashes_decords_child_gets_pyavs_answer(encoder, seeds, tin
     assert encoder.engine.num_decord_fallbacks == fallbacks + 1
     assert got.num_frames == expected.num_frames and got.meta.grid_thw == expected.meta.grid_thw
     assert torch.equal(got.embeds, expected.embeds)
-    assert (why := _settled(encoder, threads, num_fds)) is None, why
+    assert (why := _settled(encoder, before)) is None, why
     assert encoder.encode(good, SamplingOptions(num_frames=3)) is None  # decord decodes again
     assert encoder.engine.num_decord_fallbacks == fallbacks + 1
 
