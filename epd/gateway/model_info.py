@@ -5,11 +5,12 @@ and an encode, and /v1/models should say how long a request may be (`max_model_l
 `watch_model_info` asks the prefill replicas (`PrefillService.GetModelInfo`, over the channel their
 calls use) in the background, every 0.25 s until one has answered, then every
 `--stage-check-interval` seconds those whose answer may be missing or stale: one that has not
-answered yet (new, loading, down) and one back in routing since its answer (the health checks found
+answered yet (new, loading, down), one back in routing since its answer (the health checks found
 it not serving, or a call unreachable, and then SERVING: `ReplicaChooser.returns`), perhaps a
-restarted process with other limits. One that has answered and stayed up is not asked again: it
-was, every second, one RPC each, idle or not, for an answer that does not change while its process
-lives. The pipeline reads the result through the stage (`RemotePrefillStage.model_info`).
+restarted process with other limits, and one whose answer is `MODEL_INFO_MAX_AGE_S` (30 s) old (a
+process replaced between two health checks, a rolling update behind one Service address). One
+that answered and stayed up is not asked again sooner: it was, every second, one RPC each, idle or
+not, for an answer that does not change while its process lives. The pipeline reads the result through the stage (`RemotePrefillStage.model_info`).
 It starts once the gateway serves its probes, so a prefill still loading its model (UNAVAILABLE) or
 not reachable delays nothing: until a replica answers, the info is not known, no early check is
 made and prefill's own check refuses such ids (after the encode), as before. The model's sampling
@@ -27,7 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 
@@ -45,20 +47,35 @@ MODEL_INFO_TIMEOUT_S = 2.0
 UNKNOWN_POLL_S = 0.25
 """Read interval until a replica has answered: early checks start as soon as prefill serves."""
 
+MODEL_INFO_MAX_AGE_S = 30.0
+"""A replica that answered is asked again once its answer is this old, even if the health checks
+never saw it down: a process replaced behind the same address between two checks (a fast restart,
+a rolling update behind one Service address) may serve other limits or defaults."""
+
 
 class ReplicaModelInfo:
     """Each prefill replica's last model info, and the view of them all. No gRPC: unit-tested."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.by_address: dict[str, ModelInfo] = {}
         self._answered_at: dict[str, int] = {}  # by address: its `returns` when it last answered
+        self._answered_s: dict[str, float] = {}  # by address: `clock()` when it last answered
+        self._clock = clock
         self._disagreement: frozenset[tuple[str, ModelInfo]] = frozenset()
         self.common: ModelInfo | None = None
 
     def due(self, returns: Mapping[str, int]) -> list[str]:
         """Of the replicas in the pool now (`returns`: each one's `ReplicaChooser.returns`), those
-        to ask: not answered yet, or back in routing since their last answer."""
-        return [a for a, n in returns.items() if a not in self.by_address or self._answered_at.get(a) != n]
+        to ask: not answered yet, back in routing since their last answer, or whose answer is
+        `MODEL_INFO_MAX_AGE_S` old."""
+        stale_s = self._clock() - MODEL_INFO_MAX_AGE_S
+        return [
+            a
+            for a, n in returns.items()
+            if a not in self.by_address
+            or self._answered_at.get(a) != n
+            or self._answered_s.get(a, stale_s) <= stale_s
+        ]
 
     def update(
         self,
@@ -78,6 +95,11 @@ class ReplicaModelInfo:
             address: (returns or {}).get(address, 0)
             if answers.get(address)
             else self._answered_at.get(address, 0)
+            for address in self.by_address
+        }
+        now_s = self._clock()
+        self._answered_s = {
+            address: now_s if answers.get(address) else self._answered_s.get(address, now_s)
             for address in self.by_address
         }
         common = common_model_info(self.by_address.values())

@@ -452,3 +452,24 @@ def test_a_malformed_request_that_comes_before_the_model_info_is_refused_without
     assert http_status == 400 and "temperature" in http_error, http_error
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "generation.n is 2" in details, details
     assert num_waits == 0  # refused before any wait for prefill's model info
+
+
+def test_an_answer_is_asked_for_again_once_it_is_old_though_the_replica_never_went_down():
+    """A process replaced behind the same address between two health checks (a fast restart, a
+    rolling update behind one Service address) is never seen down; its answer is asked for again
+    once `MODEL_INFO_MAX_AGE_S` old, so other limits or defaults are learnt within that time."""
+    from epd.gateway.model_info import MODEL_INFO_MAX_AGE_S
+
+    now = [100.0]
+    known = ReplicaModelInfo(clock=lambda: now[0])
+    address = "127.0.0.1:1"
+    assert known.due({address: 0}) == [address]  # not answered yet
+    known.update([address], {address: QWEN}, {address: 0})
+    now[0] += MODEL_INFO_MAX_AGE_S - 1
+    assert known.due({address: 0}) == []  # fresh, and never down since
+    now[0] += 1
+    assert known.due({address: 0}) == [address]
+    known.update([address], {address: None}, {address: 0})  # no answer: still due
+    assert known.due({address: 0}) == [address]
+    known.update([address], {address: QWEN}, {address: 0})
+    assert known.due({address: 0}) == []
