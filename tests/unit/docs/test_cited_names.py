@@ -11,7 +11,6 @@ import pytest
 
 from tests.unit.docs.doc_reading import (
     DEPLOY_DOCS,
-    OTHER_DOCS,
     ROOT,
     USER_DOCS,
     VLLM_GUIDE,
@@ -106,22 +105,89 @@ def test_every_rpc_and_proto_field_the_docs_name_exists(doc):
     assert not wrong, f"{doc}:\n" + "\n".join(sorted(wrong))
 
 
-@pytest.mark.parametrize("doc", (*USER_DOCS, *DEPLOY_DOCS, *OTHER_DOCS, VLLM_GUIDE))
-def test_every_repository_path_the_docs_cite_exists(doc):
-    """From the repository's root, or from the doc's own folder (deploy/README.md's `k8s/...`)."""
+CITED_PATH = re.compile(
+    r"(?<![\w/.:-])(?P<path>(?:[\w-]+/)+(?:[\w.-]*\{[\w.,-]+\}|[\w.-]*[\w/]))(?:::(?P<test>\w+))?"
+)
+"""A path with its folders (`epd/gateway/server.py`, `deploy/k8s/`, `quality.{csv,png}` for two
+files), and a test named after it (`tests/integration/test_x.py::test_y`); an absolute path
+(`/tmp/...`, `/dev/shm`) or a URL's is none."""
+
+CITED_TEST = re.compile(r"(?<![\w/.-])(?P<name>\w+\.py)::(?P<test>\w+)")
+"""A test named after its file alone (`test_n_choices.py::test_each_choice_...`)."""
+
+FILE_SUFFIXES = tuple(".py .proto .md .yml .yaml .json .sh .toml .txt .c .csv .png".split())
+"""A cited path ending so is a file path even when its first folder is none of the checkout's (a
+folder moved or deleted, a path written from below the root)."""
+
+
+def expanded(path: str) -> list[str]:
+    """`quality.{csv,png}` -> `quality.csv`, `quality.png`."""
+    m = re.search(r"\{([^}]*)\}", path)
+    return [path[: m.start()] + alt + path[m.end() :] for alt in m.group(1).split(",")] if m else [path]
+
+
+def defines_test(path: Path, test: str) -> bool:
+    return path.is_file() and re.search(rf"^\s*(?:async )?def {test}\(", path.read_text(), re.M) is not None
+
+
+def missing_paths(text: str, doc: str) -> list[str]:
+    """The repository paths (and tests) `text`, the doc `doc`'s, cites that the checkout does not
+    have: from the repository's root, or from the doc's own folder (deploy/README.md's `k8s/...`).
+    A word with a slash is taken for a path when its first folder is one of the checkout's or it
+    ends like a file (`FILE_SUFFIXES`); another project's file (`OTHER_PROJECTS_FILES`) and the
+    words of NOT_PATHS are not epd's."""
     files = repository_files()
     here = Path(doc).parent
     top = {p for p in files if "/" not in p} | {Path(p).name for p in files if Path(p).parent == here}
-    cited = set(re.findall(r"(?<![\w/.-])((?:[\w-]+/)+[\w.-]*[\w/])", read(doc)))
-    missing = sorted(
-        p
-        for p in cited - set(NOT_PATHS)
-        if p.split("/")[0] in top
-        and p.rstrip("/") not in files
-        and not (ROOT / p).exists()
-        and not (ROOT / here / p).exists()
-    )
+    missing = set()
+    for m in CITED_PATH.finditer(text):
+        cited, test = m.group("path"), m.group("test")
+        if cited in NOT_PATHS or cited.startswith(OTHER_PROJECTS_FILES):
+            continue
+        if cited.split("/")[0] not in top and not cited.endswith(FILE_SUFFIXES) and "{" not in cited:
+            continue  # prose with a slash ("read/write", a MIME type, a model's hub id)
+        for path in expanded(cited):
+            found = [c for c in (ROOT / path, ROOT / here / path) if c.exists() or path.rstrip("/") in files]
+            if not found:
+                missing.add(path)
+            elif test and not any(defines_test(c, test) for c in found):
+                missing.add(f"{path}::{test}")
+    by_name: dict[str, list[Path]] = {}
+    for p in files:
+        by_name.setdefault(Path(p).name, []).append(ROOT / p)
+    for m in CITED_TEST.finditer(text):
+        if not any(defines_test(c, m.group("test")) for c in by_name.get(m.group("name"), [])):
+            missing.add(f"{m.group('name')}::{m.group('test')}")
+    return sorted(missing)
+
+
+@pytest.mark.parametrize("doc", all_docs())
+def test_every_repository_path_the_docs_cite_exists(doc):
+    """Every *.md of the repository, docs/benchmarks.md's record included: the files it names are
+    the ones its readers open (its commands, the test a measurement came from)."""
+    missing = missing_paths(read(doc), doc)
     assert not missing, f"{doc} cites paths that do not exist: {missing}"
+
+
+def test_a_missing_path_is_found():
+    """What the test above catches, and what it leaves alone."""
+    text = (
+        "`epd/gateway/server.py` and epd/gateway/no_such_file.py; `gateway/moved.py` (written from"
+        " below the root); gone_folder/bench_x.py; `tests/integration/test_n_choices.py::no_such_test`;"
+        " test_n_choices.py::test_each_choice_has_its_own_logprobs_those_of_its_single_request and"
+        " test_n_choices.py::test_gone; models/epd-tiny-videoqa/quality.{csv,gif}; deploy/k8s/ and"
+        " deploy/no_such_folder/; vLLM's vllm/engine/arg_utils.py, /tmp/epd/x.py,"
+        " https://example.com/a/b.py, video/mp4, read/write, `Qwen/Qwen2-VL-2B-Instruct`"
+    )
+    assert missing_paths(text, "docs/x.md") == [
+        "deploy/no_such_folder/",
+        "epd/gateway/no_such_file.py",
+        "gateway/moved.py",
+        "gone_folder/bench_x.py",
+        "models/epd-tiny-videoqa/quality.gif",
+        "test_n_choices.py::test_gone",
+        "tests/integration/test_n_choices.py::no_such_test",
+    ]
 
 
 @pytest.mark.parametrize("doc", (*USER_DOCS, VLLM_GUIDE))

@@ -323,3 +323,64 @@ def test_the_api_keys_guarded_paths_are_the_codes(doc):
     assert stated, f"{doc} no longer lists the paths the API key guards where this test reads them"
     named = set(re.findall(r"`(/\w+)`", stated.group(1)))
     assert named == set(KEYED_PATH_PREFIXES), sorted(named ^ set(KEYED_PATH_PREFIXES))
+
+
+def flag_list(text: str, known: set[str]) -> set[str]:
+    """The flags a list in the docs names, shorthand read out: `--encoders/--prefills/--decodes` are
+    three flags, `--encoder/--prefill/--decode-port` the three `-port` flags, `--tls-*` each of `known`
+    beginning `--tls-`."""
+    named: set[str] = set()
+    for group in re.findall(r"--[a-z][a-z0-9*-]*(?:/--[a-z][a-z0-9-]*)*", text):
+        words = group.split("/")
+        suffix = words[-1][words[-1].rfind("-") :]  # "-port" of --encoder/--prefill/--decode-port
+        for word in words:
+            if word.endswith("*"):
+                named |= {flag for flag in known if flag.startswith(word[:-1])}
+            else:
+                named.add(word + suffix if word not in known and word + suffix in known else word)
+    return named
+
+
+def test_flag_lists_read_their_shorthand():
+    known = {"--encoders", "--prefills", "--encoder-port", "--prefill-port", "--tls-ca", "--tls-cert", "--x"}
+    assert flag_list("--encoders/--prefills, --encoder/--prefill-port and --tls-*; --x", known) == known
+
+
+def test_the_readme_names_every_flag_a_mode_refuses():
+    """README.md's usage block lists the flags `epd serve --colocate` and `epd ask --endpoint` refuse
+    (and those the stack refuses): each flag declared for the other mode (`serves_only`) is named
+    there, so a user reads before running what the usage error would say (its `--endpoint` list left
+    out --generation-config and --override-generation-config once embedded `epd ask` took them)."""
+    from epd.cli.flags.modes import _SERVES_ONLY, COLOCATED, EMBEDDED, STACK
+
+    parsers = epd_parsers()
+    text = " ".join(read("README.md").split()).replace(" # ", " ")
+    lists = {
+        (
+            STACK,
+            "epd serve",
+        ): r"--colocate refuses \(exit 2, naming them\) the stack's flags it never reads: (.*?); the stack",
+        (COLOCATED, "epd serve"): r"the stack refuses --colocate's (.*?) \(EPD_",
+        (EMBEDDED, "epd ask"): r"with --endpoint, (.*?) are refused \(exit 2",
+    }
+    wrong = {}
+    for (mode, command), pattern in lists.items():
+        listed = re.search(pattern, text)
+        assert listed, (
+            f"README.md no longer lists the flags {command} refuses outside {mode.name} where this test reads them"
+        )
+        known = flags_of(parsers[command])
+        declared = {
+            flag
+            for action in parsers[command]._actions
+            if (rule := _SERVES_ONLY.get(action)) and rule.mode == mode
+            for flag in action.option_strings
+            if flag.startswith("--")
+        }
+        named = flag_list(listed.group(1), known)
+        if declared - named or named - known:
+            wrong[f"{command} ({mode.name} only)"] = {
+                "not named": sorted(declared - named),
+                "no such flag": sorted(named - known),
+            }
+    assert not wrong, wrong
