@@ -164,7 +164,7 @@ def read_safetensors(file: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 def _read_into(f, tensor: torch.Tensor) -> None:
     import torch
 
-    view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    view = tensor.reshape(-1).view(torch.uint8).numpy().data  # the tensor's own bytes
     done = 0
     while done < len(view):
         n = f.readinto(view[done : done + _READ_CHUNK_BYTES])

@@ -24,7 +24,7 @@ import pytest
 from epd.cli.health import is_serving
 from epd.model_runtime.hf_loading import language_key, safetensors_files
 from tests.local_http import post_json
-from tests.stack import launch_stack, serving_pid, stop_launcher
+from tests.stack import VerboseStack, launch_stack, serving_pid, stop_launcher
 
 RESTART_WAIT_S = 120.0  # a deadline for a restart to be seen, not a timing assertion
 
@@ -145,3 +145,17 @@ def test_prefill_and_decode_share_the_zygotes_copy_of_the_weights(wide_model, me
     pair_on = on["prefill"]["Pss_Anon"] + on["decode"]["Pss_Anon"]
     pair_off = off["prefill"]["Pss_Anon"] + off["decode"]["Pss_Anon"]
     assert pair_on < pair_off - copy_kib, (pair_on, pair_off, copy_kib)
+
+
+def test_the_sessions_stacks_on_tiny_qwen2_vl_run_on_shared_weights(tiny_models, tmp_path):
+    """The exactness and batch-invariance tests' stacks (tests/stack.py, on tiny Qwen2-VL) take their
+    weights from the session's zygote, as `epd serve`'s services do."""
+    with VerboseStack(tiny_models["qwen2_vl"], tmp_path):
+        pass
+    for role in ("prefill", "decode"):
+        log = (tmp_path / f"{role}.log").read_text()
+        assert "MiB of LanguageOnly shared with the zygote's copy" in log, log
+    assert (
+        "of Qwen2VisionTransformerPretrainedModel shared with the zygote's copy"
+        in (tmp_path / "encoder.log").read_text()
+    )
