@@ -4,7 +4,7 @@ its tensors to their parameters, so the pages stay the zygote's, shared copy on 
 requests too (nothing writes to a weight). With --no-share-weights each loads its own.
 
 Measured on real processes through /proc/PID/smaps_rollup, on a checkpoint whose language model is
-~32 MiB, so that a private copy of it stands out of a service's other memory: with sharing each of
+~31 MiB, so that a private copy of it stands out of a service's other memory: with sharing each of
 prefill and decode holds at least 80% of a copy fewer private dirty pages, and the pair's PSS of
 anonymous memory is lower by more than one copy. The answers are the same either way (the
 exactness and batch-invariance tests run on shared weights too: tests/conftest.py's tiny Qwen2-VL
@@ -31,7 +31,7 @@ RESTART_WAIT_S = 120.0  # a deadline for a restart to be seen, not a timing asse
 
 @pytest.fixture(scope="module")
 def wide_model(tmp_path_factory) -> Path:
-    """A Qwen2-VL checkpoint with a ~32 MiB float32 language model (wide MLPs, ten layers)."""
+    """A Qwen2-VL checkpoint with a ~31 MiB float32 language model (wide MLPs, ten layers)."""
     from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 
     spec = TinyVLMSpec(family="qwen2_vl", intermediate_size=4096, num_hidden_layers=10)
