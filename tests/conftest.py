@@ -95,12 +95,17 @@ def pytest_sessionfinish(session, exitstatus):
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """Qwen2-VL and Qwen2.5-VL checkpoints built from the real configs, saved with save_pretrained."""
     from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
+    from tests.stack import share_weights_of
 
     root = tmp_path_factory.mktemp("models")
-    return {
+    models = {
         family: build_checkpoint(root / family, TinyVLMSpec(family=family))
         for family in ("qwen2_vl", "qwen2_5_vl")
     }
+    # The stacks on tiny Qwen2-VL (most of them) share its weights, as `epd serve`'s services do:
+    # the exactness and batch-invariance tests run on the shared copy.
+    share_weights_of(models["qwen2_vl"])
+    return models
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,7 @@ from pathlib import Path
 from epd.cli.health import is_serving
 from epd.cli.zygote import ServiceProcess, Zygote, preload_modules
 from epd.model_runtime.loader import _FAMILIES
+from epd.model_runtime.shared_weights import SharedWeights
 from epd.v1 import decode_pb2, encoder_pb2, gateway_pb2, prefill_pb2
 
 ROLE_SERVICES = {
@@ -87,16 +88,30 @@ def child_env(internal_secret: bool = False) -> dict[str, str]:
 
 
 _zygote: Zygote | None = None
+_zygote_weights: SharedWeights | None = None
+
+
+def share_weights_of(model: Path) -> bool:
+    """Have the session's zygote preload `model`'s weights (float32) for the services it forks to
+    share, as `epd serve` does (epd/model_runtime/shared_weights.py): the stacks of the tests on it
+    then run with shared weights. Only before the zygote starts (False after: the first model
+    named wins; the others load their own)."""
+    global _zygote_weights
+    if _zygote is not None or _zygote_weights is not None:
+        return False
+    _zygote_weights = SharedWeights(str(model), "float32")
+    return True
 
 
 def zygote() -> Zygote:
-    """The session's zygote, preloaded for every family the tests serve."""
+    """The session's zygote, preloaded for every family the tests serve (and the weights of the
+    model `share_weights_of` named before it started)."""
     global _zygote
     if _zygote is None:
         modules: dict[str, None] = {}
         for model_type, (module, _) in sorted(_FAMILIES.items()):
             modules.update(dict.fromkeys(preload_modules(model_type, module)))
-        _zygote = Zygote(list(modules))
+        _zygote = Zygote(list(modules), _zygote_weights)
     return _zygote
 
 
@@ -326,3 +341,35 @@ def replica_file_stack(model: Path, tmp_path: Path, stage: str, *gateway_flags: 
         return ["--replicas-file", str(replicas_file), *gateway_flags]
 
     return Stack(model, logs, extra={"gateway": flags}, http=True), replicas_file
+
+
+def launch_stack(
+    model: Path, log: Path, ports_file: Path, *flags: str, log_level: str = "WARNING"
+) -> tuple[subprocess.Popen, str]:
+    """`epd --log-level LOG_LEVEL serve` with `flags`, every port one the kernel picks, read from
+    --ports-file (the launcher reads each service's, gives the gateway the stages' and restarts each
+    on its own), its stderr (and its services') in `log`: (the launcher, its "stack ready" line),
+    once ready."""
+    ports = ("--encoder-port", "0", "--prefill-port", "0", "--decode-port", "0", "--gateway-port", "0")
+    command = epd_command("--log-level", log_level, "serve", "--model", str(model), *ports, "--http-port",
+                          "auto", "--ports-file", str(ports_file), *flags)  # fmt: skip
+    with open(log, "w") as stderr:
+        launcher = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=child_env(), cwd=ROOT
+        )
+    ready = launcher.stdout.readline() if launcher.stdout else ""
+    if "stack ready" not in ready:
+        launcher.kill()
+        launcher.wait()
+        raise AssertionError(f"exit {launcher.poll()}: {ready!r}\n{log.read_text()}")
+    return launcher, ready
+
+
+def stop_launcher(launcher: subprocess.Popen) -> int | None:
+    """SIGTERM to the launcher (SIGKILL if it has not stopped within 60 s): its exit code."""
+    launcher.send_signal(signal.SIGTERM)
+    try:
+        return launcher.wait(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()

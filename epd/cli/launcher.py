@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -55,9 +56,12 @@ from epd.transport.ports_file import read_ports_file, write_ports_file
 
 if TYPE_CHECKING:
     from epd.cli.zygote import ServiceProcess
+    from epd.model_runtime.shared_weights import SharedWeights
 
     Service = subprocess.Popen | ServiceProcess
 
+
+log = logging.getLogger(__name__)
 
 # After its grace period, how long the launcher still waits for a service before SIGKILL
 # (`stop_wait_s`): what it does after its drain (a stage: `_BEFORE_CLOSE_S`, then its threads' one
@@ -95,6 +99,32 @@ def restart_policy(args: argparse.Namespace) -> RestartPolicy:
     """The stack's supervision from its flags: --start-timeout bounds the start-up and every restart
     alike (a model slower to load than the one would be killed at each of the other)."""
     return RestartPolicy(health_timeout_s=args.health_timeout, start_timeout_s=args.start_timeout)
+
+
+def shared_weights(args: argparse.Namespace) -> SharedWeights | None:
+    """What the zygote loads once for every model service to share (--share-weights, the default),
+    or None: each loads its own (--no-share-weights; a GPU, or --linear-kernel onednn, whose
+    services would not use the shared copy as it is). Says which at INFO."""
+    from epd.model_runtime.shared_weights import SharedWeights
+
+    why_not = (
+        "--no-share-weights"
+        if not args.share_weights
+        else f"--device {args.device}"
+        if args.device != "cpu"
+        else "--linear-kernel onednn"
+        if args.linear_kernel != "torch"
+        else None
+    )
+    if why_not is not None:
+        log.info("weights: each model service loads its own copy (%s)", why_not)
+        return None
+    log.info(
+        "weights: loaded once (%s) by the zygote and shared, copy on write, by every model service "
+        "(--no-share-weights: each loads its own)",
+        args.dtype,
+    )
+    return SharedWeights(args.model, args.dtype)
 
 
 def serve_stack(args: argparse.Namespace) -> int:
@@ -185,8 +215,9 @@ def serve_stack(args: argparse.Namespace) -> int:
     os.environ.update(shared_cores_environment(dict(os.environ)))
     env = {**services_environment(os.environ), BOARD_ENV: board}
     # The model services are forked from one process that imported torch and the family's modules
-    # once (epd/cli/zygote.py): they share those pages and skip those imports.
-    zygote = Zygote(preload_modules(model_type, family_module(model_type)))
+    # once (epd/cli/zygote.py): they share those pages and skip those imports, and the weights it
+    # loaded once (epd/model_runtime/shared_weights.py).
+    zygote = Zygote(preload_modules(model_type, family_module(model_type)), shared_weights(args))
 
     def start(slot: _Slot) -> Service:
         if not slot.command:  # the first start: the stages it needs bound (`_wait_ready`)

@@ -17,6 +17,12 @@ which starts idle worker threads at import when OMP_NUM_THREADS is unset; it shu
 around a fork itself (its pthread_atfork handlers), so a child starts its own. gRPC is not
 imported before the fork (it is not fork-safe once initialised).
 
+Asked to (`Zygote(weights=...)`, `epd serve --share-weights`, the default), the zygote also reads the
+checkpoint's tensors once after its imports (epd/cli/zygote_weights.py), and each model service it
+forks takes them as its parameters instead of reading its own copy: one copy of the weights for the
+whole stack, shared copy on write (epd/model_runtime/shared_weights.py). It reads them on its own
+thread, as everything else it runs before a fork.
+
 Lifetimes: the launcher owns the fork server (it ends when the launcher's end of its pipe
 closes), and each service gets SIGTERM when the fork server ends (PR_SET_PDEATHSIG), so killing
 the launcher, even with SIGKILL, leaves nothing running.
@@ -43,6 +49,7 @@ from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any
 
+from epd.model_runtime.shared_weights import WEIGHTS_ENV, SharedWeights
 from epd.transport.parent_death import die_with_parent
 
 _MAIN_SWAP = threading.Lock()
@@ -83,6 +90,8 @@ _COMMON_PRELOAD = (
 )
 _TRIM = "epd.cli.zygote_trim"
 """Imported by the zygote after every preload (`Zygote`): see its docstring."""
+_WEIGHTS = "epd.cli.zygote_weights"
+"""Imported by the zygote after the modules, before `_TRIM`, when it preloads the weights."""
 # transformers' per-family files that loading a checkpoint of that model_type imports (those the
 # installed transformers has).
 _FAMILY_FILES = (
@@ -156,10 +165,13 @@ class ServiceProcess:
 class Zygote:
     """The fork server of one launcher: `start(argv)` runs `epd ARGV` in a process forked from it."""
 
-    def __init__(self, preload: list[str]) -> None:
+    def __init__(self, preload: list[str], weights: SharedWeights | None = None) -> None:
+        """`weights`: the checkpoint the zygote loads once, after its imports, for the services it
+        forks to share (epd/model_runtime/shared_weights.py); None: each loads its own."""
         self._context: ForkServerContext = multiprocessing.get_context("forkserver")  # type: ignore[assignment]
+        self._weights = weights
         # Last, after every import: the zygote unmaps the file pages they touched (zygote_trim.py).
-        self._context.set_forkserver_preload([*preload, _TRIM])
+        self._context.set_forkserver_preload([*preload, *([_WEIGHTS] if weights else []), _TRIM])
 
     def start(
         self, name: str, argv: list[str], env: dict[str, str], log_path: str | None = None
@@ -170,9 +182,27 @@ class Zygote:
         process = self._context.Process(
             target=_run_service, args=(argv, env, log_path), name=f"epd-{name}", daemon=False
         )
-        with _no_main_for_the_child():
+        with _no_main_for_the_child(), self._weights_named():
             process.start()
         return ServiceProcess(process)
+
+    @contextlib.contextmanager
+    def _weights_named(self) -> Iterator[None]:
+        """$EPD_ZYGOTE_WEIGHTS set while a start may start the fork server, which takes this
+        process's environment (`epd.cli.zygote_weights` reads it there); unset again after, so
+        that nothing else this process starts inherits it."""
+        if self._weights is None:
+            yield
+            return
+        before = os.environ.get(WEIGHTS_ENV)
+        os.environ[WEIGHTS_ENV] = self._weights.env_value()
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(WEIGHTS_ENV, None)
+            else:
+                os.environ[WEIGHTS_ENV] = before
 
     def stop(self) -> None:
         """End the fork server (the services it forked are stopped by the launcher first)."""

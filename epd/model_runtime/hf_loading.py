@@ -100,6 +100,36 @@ def read_part(root: Path, files: list[str], rename) -> dict[str, torch.Tensor]:
     return state
 
 
+def load_part(
+    module: torch.nn.Module,
+    root: Path,
+    files: list[str],
+    rename,
+    dtype: torch.dtype,
+    arrange: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = lambda state: state,
+) -> tuple[list[str], list[str]]:
+    """Load the checkpoint tensors `rename` picks into `module`, `arrange`d first (ties, layouts);
+    (missing, unexpected) as `load_state_dict` reports them. Where the zygote this process was
+    forked from holds the checkpoint in `dtype` (epd/model_runtime/shared_weights.py), its tensors
+    become the parameters (assigned: the pages stay shared with every service); else they are read
+    from the files and copied into the module's own parameters, in their dtypes (as from_pretrained
+    casts a checkpoint tensor to its parameter's dtype)."""
+    from epd.model_runtime import shared_weights
+
+    shared = shared_weights.shared_part(root, files, dtype, rename)
+    state = None if shared is None else shared_weights.assignable(module, arrange(shared))
+    if state is not None:
+        result = module.load_state_dict(state, strict=False, assign=True)
+        log.info(
+            "weights: %.1f MiB of %s shared with the zygote's copy",
+            shared_weights.shared_bytes(state) / 2**20,
+            type(module).__name__,
+        )
+    else:
+        result = module.load_state_dict(arrange(read_part(root, files, rename)), strict=False)
+    return result.missing_keys, result.unexpected_keys
+
+
 def vision_key(key: str) -> str | None:
     """Hub format ("visual.*") or transformers 5's ("model.visual.*") -> the tower's own names."""
     for prefix in ("model.visual.", "visual."):
@@ -175,9 +205,7 @@ def load_vision_part(
     with no_init_weights(), local_torch_dtype(dtype):
         part = build()
     apply_keep_in_fp32_plan(part, dtype)
-    # load_state_dict copies into the parameters, in their dtypes (as from_pretrained casts a
-    # checkpoint tensor to its parameter's dtype)
-    missing, unexpected = part.load_state_dict(read_part(root, files, rename), strict=False)
+    missing, unexpected = load_part(part, root, files, rename, dtype)
     if missing or unexpected:
         raise ValueError(
             f"checkpoint {path} does not match the {what}: missing {missing[:3]}, unexpected {unexpected[:3]}"
@@ -223,18 +251,37 @@ def build_language_only(
     return LanguageOnly(lm, head)
 
 
-def load_language_state(model: LanguageOnly, state: dict[str, torch.Tensor], hf_config, path: str) -> None:
-    """Load `state` into `model`, tying the head to the embeddings where the checkpoint does (the
-    small checkpoints store no lm_head)."""
+def load_language_state(
+    model: LanguageOnly,
+    root: Path,
+    files: list[str],
+    rename,
+    hf_config,
+    path: str,
+    dtype: torch.dtype,
+    arrange: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = lambda state: state,
+) -> None:
+    """Load the tensors `rename` picks (`arrange`d, `load_part`) into `model`, tying the head to the
+    embeddings where the checkpoint does (the small checkpoints store no lm_head)."""
     text_config = hf_config.text_config
     tied = getattr(hf_config, "tie_word_embeddings", False) or getattr(
         text_config, "tie_word_embeddings", False
     )
     lm: Any = model.model.language_model
-    if "lm_head.weight" not in state and tied:
+    head_tied = False
+
+    def tie(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        nonlocal head_tied
+        state = arrange(state)
+        if "lm_head.weight" not in state and tied:
+            head_tied = True
+            model.lm_head.weight = lm.embed_tokens.weight
+            state["lm_head.weight"] = state["model.language_model.embed_tokens.weight"]
+        return state
+
+    missing, unexpected = load_part(model, root, files, rename, dtype, tie)
+    if head_tied:  # assigned, each became a parameter of its own over the one tensor: one again
         model.lm_head.weight = lm.embed_tokens.weight
-        state["lm_head.weight"] = state["model.language_model.embed_tokens.weight"]
-    missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(
             f"checkpoint {path} does not match the language model: missing {missing[:3]}, "
@@ -253,9 +300,17 @@ def load_nested_language_model(
 
     text_config = hf_config.text_config
     model = build_language_only(text_config, dtype, lambda: AutoModel.from_config(text_config, dtype=dtype))
-    state = read_part(root, files, rename)
-    extras = {k: state.pop(k) for k in list(state) if not k.startswith(("model.language_model.", "lm_head."))}
-    load_language_state(model, state, hf_config, path)  # the small checkpoints tie the head
+    extras: dict[str, torch.Tensor] = {}
+
+    def without_extras(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        extras.clear()
+        extras.update(
+            {k: state.pop(k) for k in list(state) if not k.startswith(("model.language_model.", "lm_head."))}
+        )
+        return state
+
+    # the small checkpoints tie the head
+    load_language_state(model, root, files, rename, hf_config, path, dtype, without_extras)
     return model, extras
 
 
@@ -271,7 +326,7 @@ def load_language_model(path: str, hf_config, dtype: torch.dtype, text_cls):
         return model
     text_config = hf_config.text_config
     model = build_language_only(text_config, dtype, lambda: text_cls._from_config(text_config, dtype=dtype))
-    load_language_state(model, read_part(root, files, language_key), hf_config, path)
+    load_language_state(model, root, files, language_key, hf_config, path, dtype)
     return model
 
 

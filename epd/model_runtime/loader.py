@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from epd.model_runtime.default_model import default_model_path
+from epd.model_runtime.shared_weights import offered
 from epd.model_runtime.threads import num_cores
 
 if TYPE_CHECKING:
@@ -198,7 +199,10 @@ def load_adapter(config: ModelConfig, stage: str) -> VLMAdapter:
         log.info("loading %s (%s) for %s on %s", path, model_type, stage, config.device)
         module_name, class_name = _FAMILIES[model_type]
         module = importlib.import_module(f"epd.model_runtime.{module_name}")
-        adapter = getattr(module, class_name)(path, config, set(_STAGE_PARTS[stage]))
+        # The zygote's shared weights (epd/model_runtime/shared_weights.py) as they are, on the CPU:
+        # a kernel that repacks them, or a GPU, gets the process's own.
+        with offered(config.device == "cpu" and config.linear_kernel == "torch"):
+            adapter = getattr(module, class_name)(path, config, set(_STAGE_PARTS[stage]))
     except ModelLoadError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever transformers/torch raise, the model cannot be served

@@ -29,7 +29,6 @@ from epd.model_runtime.hf_loading import (
     language_key,
     load_language_model,
     load_language_state,
-    read_part,
     safetensors_files,
 )
 from epd.model_runtime.qwen3_vl import Qwen3VLAdapter
@@ -65,8 +64,16 @@ class Qwen3VLMoeAdapter(Qwen3VLAdapter):
         model = build_language_only(
             text_config, dtype, lambda: text_cls._from_config(text_config, dtype=dtype)
         )
-        state = read_part(root, files, language_key)
-        load_language_state(model, _experts_in_model_layout(state, model), hf_config, path)
+        load_language_state(
+            model,
+            root,
+            files,
+            language_key,
+            hf_config,
+            path,
+            dtype,
+            lambda state: _experts_in_model_layout(state, model),
+        )
         return model
 
     @property

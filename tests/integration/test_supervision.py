@@ -23,7 +23,7 @@ import psutil
 from epd.cli.health import is_serving
 from epd.transport.affinity import rendezvous_order
 from tests.local_http import post_json
-from tests.stack import ROOT, child_env, epd_command, serving_pid, wait_until
+from tests.stack import launch_stack, serving_pid, stop_launcher, wait_until
 
 FRAMES = 4
 TOKENS = 6
@@ -84,41 +84,12 @@ def _back(port: int, old_pid: int, launcher: subprocess.Popen, log: Path) -> int
         time.sleep(0.2)
 
 
-def _launch(model: Path, log: Path, ports_file: Path, *flags: str) -> tuple[subprocess.Popen, str]:
-    """`epd serve` with `flags`, every port one the kernel picks, read from --ports-file (the
-    launcher reads each service's, gives the gateway the stages' and restarts each on its own), its
-    stderr in `log`: (the launcher, its "stack ready" line), once ready."""
-    ports = ("--encoder-port", "0", "--prefill-port", "0", "--decode-port", "0", "--gateway-port", "0")
-    command = epd_command("serve", "--model", str(model), *ports, "--http-port", "auto",
-                          "--ports-file", str(ports_file), *flags)  # fmt: skip
-    with open(log, "w") as stderr:
-        launcher = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=child_env(), cwd=ROOT
-        )
-    ready = launcher.stdout.readline() if launcher.stdout else ""
-    if "stack ready" not in ready:
-        launcher.kill()
-        launcher.wait()
-        raise AssertionError(f"exit {launcher.poll()}: {ready!r}\n{log.read_text()}")
-    return launcher, ready
-
-
-def _stop(launcher: subprocess.Popen) -> int | None:
-    """SIGTERM to the launcher (SIGKILL if it has not stopped within 60 s): its exit code."""
-    launcher.send_signal(signal.SIGTERM)
-    try:
-        return launcher.wait(timeout=60)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-
-
 def test_killed_and_silent_replicas_are_restarted_while_the_stack_serves(tiny_models, media_files, tmp_path):
     """Two encoders and two prefills (each prefill advertises its own port; decode's default
     allow-list admits every loopback port), one decode."""
     log, ports_file = tmp_path / "stack.log", tmp_path / "stack.ports.json"
     flags = ("--encoders", "2", "--prefills", "2", "--health-timeout", "2")
-    launcher, ready = _launch(tiny_models["qwen2_vl"], log, ports_file, *flags)
+    launcher, ready = launch_stack(tiny_models["qwen2_vl"], log, ports_file, *flags)
     children: list[psutil.Process] = []
     try:
         bound = json.loads(ports_file.read_text())  # written before the line
@@ -188,7 +159,7 @@ def test_killed_and_silent_replicas_are_restarted_while_the_stack_serves(tiny_mo
         assert "epd: decode[0] restarted" in stderr_text and "Traceback" not in stderr_text, stderr_text
         children = psutil.Process(launcher.pid).children(recursive=True)
     finally:
-        code = _stop(launcher)
+        code = stop_launcher(launcher)
     assert code == 0, log.read_text()
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE], [c.cmdline()[:8] for c in alive]
@@ -234,7 +205,7 @@ def test_a_port_taken_while_its_service_was_down(tiny_models, media_files, tmp_p
     port and its holder, then another look after a growing wait) until the port is free again.
     Before, the restart failed to bind, again and again, and the stack stopped as a crash loop."""
     log, ports_file = tmp_path / "stack.log", tmp_path / "stack.ports.json"
-    launcher, _ = _launch(tiny_models["qwen2_vl"], log, ports_file)
+    launcher, _ = launch_stack(tiny_models["qwen2_vl"], log, ports_file)
     held: list[socket.socket] = []
     try:
         bound = json.loads(ports_file.read_text())
@@ -290,5 +261,5 @@ def test_a_port_taken_while_its_service_was_down(tiny_models, media_files, tmp_p
     finally:
         for sock in held:
             sock.close()
-        code = _stop(launcher)
+        code = stop_launcher(launcher)
     assert code == 0, log.read_text()

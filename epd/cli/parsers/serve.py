@@ -4,6 +4,8 @@ taking every stage's and the gateway's too (`STAGE_FLAGS`, `GATEWAY_FLAGS`)."""
 
 from __future__ import annotations
 
+import argparse
+
 from epd.cli.flags.arg_types import (
     addresses,
     count,
@@ -260,6 +262,17 @@ def _add_stack_flags(serve) -> None:
             help="every service must serve within this long of its start (loading its model), at the "
             "stack's start-up (else the stack exits, code 1) and after a restart (else it is killed "
             "and restarted); raise it for a model slow to load",
+        )
+    )
+    supervision.append(
+        g.add_argument(
+            "--share-weights",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="the stack's model services (every replica, restarts too) share one copy of the "
+            "weights, loaded once by the process they are forked from, copy on write (default; "
+            "--no-share-weights: each loads its own). On the CPU with --linear-kernel torch only; "
+            "docs/architecture.md, 'Shared weights'",
         )
     )
     why = "the stack's replicas and their supervision; --colocate runs one process with one stage of each"

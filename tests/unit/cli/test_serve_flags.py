@@ -65,6 +65,32 @@ def test_the_start_timeout_is_the_stacks_start_up_and_restart_timeout():
     assert (policy.start_timeout_s, policy.health_timeout_s) == (1800.0, 5.0)
 
 
+@pytest.mark.parametrize(
+    ("flags", "shared", "said"),
+    [
+        ([], True, "weights: loaded once (bfloat16) by the zygote and shared"),
+        (["--no-share-weights"], False, "each model service loads its own copy (--no-share-weights)"),
+        (["--device", "cuda"], False, "each model service loads its own copy (--device cuda)"),
+        (
+            ["--linear-kernel", "onednn"],
+            False,
+            "each model service loads its own copy (--linear-kernel onednn)",
+        ),
+    ],
+)
+def test_the_stack_shares_its_weights_unless_told_or_they_would_be_transformed(flags, shared, said, caplog):
+    """--share-weights (the default) has the zygote preload the checkpoint in the stack's dtype; the
+    launcher says at INFO which it does, and why not."""
+    from epd.cli.launcher import shared_weights
+    from epd.model_runtime.shared_weights import SharedWeights
+
+    args = build_parser().parse_args(["serve", "--model", "/m", "--dtype", "bfloat16", *flags])
+    with caplog.at_level("INFO", logger="epd.cli.launcher"):
+        weights = shared_weights(args)
+    assert weights == (SharedWeights("/m", "bfloat16") if shared else None)
+    assert said in caplog.text
+
+
 def test_a_negative_grace_period_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "encoder", "--grace-period", "-1"])
