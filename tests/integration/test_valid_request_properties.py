@@ -850,24 +850,13 @@ def responses_stream(body: dict, events: list[dict]) -> dict:
     the final message's text."""
     deltas = ""
     for event in events:
-        STREAM_EVENTS.validate_python(with_cache_writes(event))
+        STREAM_EVENTS.validate_python(event)  # usage's cache_write_tokens required: epd writes it
         if event["type"] == "response.output_text.delta":
             deltas += event["delta"]
     assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]
     final = events[-1]["response"]
     assert deltas == output_text(final), (deltas, final)
     return final
-
-
-def with_cache_writes(event: dict) -> dict:
-    """`event` (a dict holding a "response") with `usage.input_tokens_details.cache_write_tokens`
-    0 where it is missing: OpenAI's newer client models require it, vLLM's Responses usage (and
-    epd's) writes `cached_tokens` alone."""
-    details = ((event.get("response") or {}).get("usage") or {}).get("input_tokens_details")
-    if details is not None and "cache_write_tokens" not in details:
-        event = json.loads(json.dumps(event))
-        event["response"]["usage"]["input_tokens_details"]["cache_write_tokens"] = 0
-    return event
 
 
 def output_text(response: dict) -> str:
@@ -877,7 +866,7 @@ def output_text(response: dict) -> str:
 
 def response_summary(body: dict, response: dict) -> tuple:
     """Check a (final) response; what a greedy answer streamed and not must share."""
-    Response.model_validate(with_cache_writes({"response": response})["response"])
+    Response.model_validate(response)
     usage = response["usage"]
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"], usage
     max_tokens = body["max_output_tokens"]
