@@ -42,11 +42,15 @@ first; a cancel there takes effect after it.)
 
 A request whose decord child crashes (`DecoderCrashed`: decord crashes on some damaged files, the
 same file every time, so a retry would not help) is decoded once more by the PyAV backend, as any
-PyAV request is (its plan, limits, cancel flag and time limits; the decord child was replaced
-already): the client gets PyAV's answer, tokens or PyAV's own error (INVALID_ARGUMENT for a
-corrupt file), and `num_decord_fallbacks` counts it (`epd_encoder_decord_fallbacks_total`).
-`DecoderCrashed` (UNAVAILABLE) is left only for a crash while the engine closes, when the PyAV
-backend is closed too; a request cancelled meanwhile stays cancelled.
+PyAV request is (its plan, limits and cancel flag; the decord child was replaced already), in what
+is left of its --max-decode-s: the budget counts from the start of the request's decode, decord's
+time included, so a crash late in decord's time does not buy the request a second budget (past
+it: the slow decode's error, RESOURCE_EXHAUSTED). The client gets PyAV's answer, tokens or PyAV's
+own error (INVALID_ARGUMENT for a corrupt file), `num_decord_fallbacks` counts it
+(`epd_encoder_decord_fallbacks_total`), and the crash is one WARNING line in the log (the media's
+hash and what follows; no decoder text). `DecoderCrashed` (UNAVAILABLE) is left only for a crash
+while the engine closes, when the PyAV backend is closed too; a request cancelled meanwhile stays
+cancelled.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ from epd.stages.errors import EpdError, InvalidRequest, NotFound, ResourceExhaus
 from epd.stages.names import Stage
 from epd.stages.request_id import shared_work_context
 from epd.token_pruning import PruningConfig
+from epd.video.budget import decode_too_long
 from epd.video.decord_backend import DecordDecoder
 from epd.video.parallel_decoder import CLOSE_WAIT_S as PARALLEL_CLOSE_WAIT_S
 from epd.video.parallel_decoder import ParallelDecoder
@@ -287,13 +292,20 @@ class EncoderEngine:
         tenant, as in the token cache's key: the decoders' keyframe-index caches are per tenant
         too, since a hit there shortens the decode time the client is told."""
         group_size = self.config.frames_per_group or (1 << 30)
+        # --max-decode-s bounds the request's decode, whichever backends it takes: from here.
+        decode_started_s = time.monotonic()
         if (decord := self._decord_for(data, sha256, sampling, cache_salt)) is not None:
             try:
                 whole = decord.decode(
-                    data, sampling, self.config.limits, sha256=sha256, cache_salt=cache_salt
+                    data,
+                    sampling,
+                    self.config.limits,
+                    sha256=sha256,
+                    cache_salt=cache_salt,
+                    started_s=decode_started_s,
                 )
             except DecoderCrashed:
-                if not self._falls_back_to_pyav(cancel):
+                if not self._falls_back_to_pyav(sha256, cancel, decode_started_s):
                     raise
             else:
                 step = self._merged_step(whole, group_size) if merge else group_size  # every frame is decoded
@@ -309,6 +321,7 @@ class EncoderEngine:
             merge_up_to_pixels=self.config.merged_group_pixels,
             cache_salt=cache_salt,
             frame_resizer=self._frame_resizer,
+            decode_started_s=decode_started_s,
         )
 
         def groups():
@@ -341,18 +354,38 @@ class EncoderEngine:
         )
         return None if hand_over else self._decord
 
-    def _falls_back_to_pyav(self, cancel: threading.Event | None) -> bool:
+    def _falls_back_to_pyav(
+        self, sha256: str, cancel: threading.Event | None, decode_started_s: float
+    ) -> bool:
         """After the decord child crashed on this request: whether the PyAV backend decodes it
-        instead (False: the engine is closing, PyAV's pool with it). The same file crashes decord
-        every time (a retry would not help), and PyAV decodes most such files or refuses them as
-        corrupt. A request cancelled meanwhile stays cancelled."""
+        instead, in what is left of the request's --max-decode-s (counted from `decode_started_s`,
+        so a crash late in decord's time does not buy it a second budget). False: the engine is
+        closing, PyAV's pool with it. The same file crashes decord every time (a retry would not
+        help), and PyAV decodes most such files or refuses them as corrupt. A request cancelled
+        meanwhile stays cancelled; one whose budget is spent gets the slow decode's error.
+        Each crash is one WARNING line, this one (the backend's own is INFO): what happened and
+        what follows, no decoder text."""
+        crashed = f"the decord child crashed on media {sha256[:12]}"
         if cancel is not None and cancel.is_set():
+            log.warning("%s; the request was cancelled meanwhile: not decoded again", crashed)
             raise DecodeCancelled("cancelled while the decord backend decoded")
         if self.decoder.closed:
+            log.warning("%s while the encoder closes: not decoded again", crashed)
             return False
+        limits = self.config.limits
+        left_s = decode_started_s + limits.max_decode_s - time.monotonic()
+        if left_s <= 0:
+            log.warning(
+                "%s with its --max-decode-s of %g s spent: not decoded again", crashed, limits.max_decode_s
+            )
+            raise decode_too_long(limits)
         with self._decord_lock:
             self.num_decord_fallbacks += 1
-        log.warning("the decord child crashed on this request; decoding it with the PyAV backend instead")
+        log.warning(
+            "%s; decoding it with the PyAV backend instead, in the %.1f s left of its --max-decode-s",
+            crashed,
+            left_s,
+        )
         return True
 
     def _merged_step(self, whole: DecodedVideo, group_size: int) -> int:

@@ -356,9 +356,10 @@ class PrefillEngine:
 
     def remember(self, request: PrefillRequest, cache: KvCache) -> None:
         """Keep a finished prompt's KV (in the model's dtype, before any kv_dtype cast) for the
-        follow-ups of its conversation."""
+        follow-ups of its conversation; `request.num_stored_tokens` says how many tokens that wrote
+        (the Responses API's `cache_write_tokens`)."""
         if request.prefix_key is None or cache.linear_layers or request.prompt is None:
             return
-        self.prefix_cache.put(
+        request.num_stored_tokens = self.prefix_cache.put(
             request.prefix_key, request.prompt.input_ids[0], cache, cache.num_bytes, also=request.prefix_also
         )

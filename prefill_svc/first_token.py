@@ -129,6 +129,7 @@ def finish_prefill(
         visual_entry_mask=mask if pruning.decode_evict else None,
         kept_visual_token_index=kept,
         num_reused_prompt_tokens=request.num_reused_tokens,
+        num_stored_prompt_tokens=request.num_stored_tokens,
         first_text=first_text,
         distinct_prompt_token_ids=distinct_prompt_ids,
         prompt_ends_reasoning=ends_reasoning,

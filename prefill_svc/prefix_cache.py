@@ -20,7 +20,8 @@ before the next one (unit-tested with fake entries, tests/unit/stages/test_prefi
             `also=PrefixView(other key, max_tokens)`: entries of another key hold the same KV for
             at most the first `max_tokens` tokens (a text-only turn's, for the text before the
             media of a conversation whose video came later); they serve up to that many.
-    put(key, ids, cache, num_bytes, also) -> kept under a byte budget. `also=PrefixView(other
+    put(key, ids, cache, num_bytes, also) -> the tokens written (those past the prefix an entry
+            held already: OpenAI's `cache_write_tokens`), kept under a byte budget. `also=PrefixView(other
             key, max_tokens)`: the entry serves that key's lookups too, up to `max_tokens` tokens (a
             media prompt's text before its first visual token, under the text-only key). An entry that
             the new one supersedes (every key it is found under, the new one is too, its ids up to
@@ -220,14 +221,17 @@ class PrefixCache:
         cache: Any,
         num_bytes: int,
         also: PrefixView | None = None,
-    ) -> bool:
+    ) -> int:
         """Keep `cache` (the KV of `token_ids`) under `key`, and under `also.key` for its first
-        `also.max_tokens` tokens; False when it cannot fit at all (or the cache is off). Entries it
-        supersedes leave (`_superseded`); when an entry supersedes it instead (its ids begin that
-        entry's: a continued assistant message whose conversation's next turn is cached, a turn
-        asked again), that entry is renewed and the same KV is not kept twice."""
+        `also.max_tokens` tokens. Returns the tokens it wrote: those of `token_ids` past the
+        longest prefix whose KV an entry held already, as lookups of `key` (and `also`) find it
+        (a first turn: all of them; a follow-up: the ones after the turn it continues). 0 when it
+        cannot fit at all (or the cache is off), or when an entry supersedes it: its ids begin that
+        entry's (a continued assistant message whose conversation's next turn is cached, a turn
+        asked again), so that entry is renewed and the same KV is not kept twice. Entries it
+        supersedes leave (`_superseded`)."""
         if num_bytes > self.max_bytes:
-            return False
+            return 0
         ids = _ids(token_ids)
         now = self._clock()
         new = PrefixEntry(key, ids.clone(), cache, num_bytes, now, now, also)
@@ -237,7 +241,8 @@ class PrefixCache:
             if holder is not None:
                 self._entries[holder].last_used_s = now
                 self._entries.move_to_end(holder)
-                return True
+                return 0
+            num_held = max((self._num_held(e, key, ids, also) for e in self._entries.values()), default=0)
             for entry_id in [i for i, e in self._entries.items() if _superseded(e, new)]:
                 self._drop(entry_id)
             while self._entries and self.num_bytes + num_bytes > self.max_bytes:
@@ -246,7 +251,22 @@ class PrefixCache:
             self._entries[self._next_id] = new
             self._next_id += 1
             self.num_bytes += num_bytes
-            return True
+            return new.num_tokens - num_held
+
+    @staticmethod
+    def _num_held(entry: PrefixEntry, key: Hashable, ids: torch.Tensor, also: PrefixView | None) -> int:
+        """Tokens [0, this) of `ids` whose KV `entry` holds, as lookups of `key` (and `also`)
+        would find it (no minimum: what `put` did not write, not what a lookup would reuse)."""
+        held = 0
+        for view_key, bound in entry.views():
+            if view_key == key:
+                limit = bound
+            elif also is not None and view_key == also.key:
+                limit = min(bound, also.max_tokens)
+            else:
+                continue
+            held = max(held, min(common_prefix_length(entry.token_ids, ids), limit))
+        return held
 
     def clear(self) -> None:
         with self._lock:

@@ -54,6 +54,8 @@ class PrefillRequest(CoreRequest):
     """Tokens the step now running computes for it: [num_computed_tokens, + this)."""
     num_reused_tokens: int = 0
     """Prompt tokens [0, this) whose KV comes from the prefix cache (`num_computed_tokens` starts here)."""
+    num_stored_tokens: int = 0
+    """Prompt tokens its finished KV wrote into the prefix cache (`PrefixCache.put`; 0: none)."""
     prefix: Any = field(default=None, repr=False)
     """The prefix-cache hit (`PrefixHit`) the runner builds this request's first cache from."""
     prefix_key: Hashable | None = field(default=None, repr=False)

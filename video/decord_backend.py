@@ -276,10 +276,13 @@ class DecordDecoder:
         limits: DecodeLimits = DecodeLimits(),
         sha256: str | None = None,
         cache_salt: str = "",
+        started_s: float | None = None,
     ) -> DecodedVideo:
-        """`cache_salt`: the request's tenant, whose keyframe indexes alone it may reuse."""
+        """`cache_salt`: the request's tenant, whose keyframe indexes alone it may reuse.
+        `started_s`: time.monotonic() when the request's decode began (its demux pass, which
+        `hands_over` may have run; default: now): --max-decode-s counts from then."""
         started = time.perf_counter()
-        budget = DecodeBudget(limits)  # --max-decode-s, from here: the demux pass counts too
+        budget = DecodeBudget(limits, started_s)  # --max-decode-s: the demux pass counts too
         check_size(len(data), limits)
         opts.validate(limits.max_frames)
         if sniff_container(data).is_image:  # nothing but an allowed container reaches decord
@@ -323,8 +326,9 @@ class DecordDecoder:
                 except (EOFError, OSError) as exc:
                     # The child died (a crash in decord, the OOM killer) before or while it worked
                     # on this request (BrokenPipeError on send, EOFError on recv): say nothing
-                    # about the video, start a fresh child for the next request.
-                    log.warning("the decord child process died: %r", exc)
+                    # about the video, start a fresh child for the next request. INFO: the caller
+                    # says what follows in its one WARNING line (the encoder decodes it with PyAV).
+                    log.info("the decord child process died: %r", exc)
                     self._kill_child()
                     raise DecoderCrashed(DECODER_CRASHED) from None
                 if not answered:

@@ -155,6 +155,7 @@ class ParallelDecoder:
         merge_up_to_pixels: int = 1 << 62,
         cache_salt: str = "",
         frame_resizer: FrameResizer | None = None,
+        decode_started_s: float | None = None,
     ) -> FrameGroupStream:
         """Plan the request and start decoding; frames come back in groups of `group_size`
         (with `merge_up_to`, groups already decoded merge, up to that many frames and
@@ -171,7 +172,10 @@ class ParallelDecoder:
         thread), the demux pass stops within a few hundred packets or 32 KiB of the file, the
         workers at their next frame or read, and a consumer waiting for a group gets
         DecodeCancelled within 50 ms. `cache_salt`: the request's tenant; only its own cached
-        keyframe indexes are reused (`KeyframeIndexCache`).
+        keyframe indexes are reused (`KeyframeIndexCache`). `decode_started_s`: time.monotonic()
+        when the request's decode began, where another backend tried it first (the encoder's
+        decord fallback): --max-decode-s counts from then, so the request gets what is left of it
+        (MediaLimitError here when nothing is); default: now.
         """
         if self._closed:
             raise RuntimeError("ParallelDecoder is closed")
@@ -195,9 +199,19 @@ class ParallelDecoder:
         plan = make_plan(index, opts, self.config.num_workers, self.config.seek_cost_frames)
         # The clip's frame count is the plan's (slots, repeats included), as the encoder's `preprocess` gets it.
         frame_resize = frame_resizer(len(plan.slot_pts)) if frame_resizer is not None else None
+        budget_started = started if decode_started_s is None else decode_started_s
         req = VideoDecodeRequest(
-            data, index, plan, opts, self.config.seek_cost_frames, limits, cancel, started, frame_resize
+            data,
+            index,
+            plan,
+            opts,
+            self.config.seek_cost_frames,
+            limits,
+            cancel,
+            budget_started,
+            frame_resize,
         )
+        req.budget.check_time()  # a budget another backend spent: refused before any thread works on it
         pts_s = index.frames.pts_s
         first_pts = float(pts_s[0])
         positions = np.searchsorted(index.frame_pts, plan.slot_pts)

@@ -51,6 +51,7 @@ async def ask_embedded(
     from epd.gateway.embedded import build_embedded_pipeline
     from epd.model_runtime.default_model import accuracy_notice, is_meaningless
     from epd.model_runtime.generation_defaults import announce_at_start
+    from epd.model_runtime.hf_loading import hide_transformers_bars
     from epd.model_runtime.loader import resolve_model_path
     from epd.stages.raw_prompt import RawPrompt
 
@@ -60,6 +61,10 @@ async def ask_embedded(
     )
     if not args.json:
         print(f"epd: loading {model_path} (embedded mode)", file=sys.stderr, flush=True)
+    # One progress display on stderr, ours (the line above, then each stage's): transformers drew its
+    # "Loading weights" bar beside it. Warnings and errors are log lines and messages, not bars: they
+    # stay, and so do the hub's download bars (a first download is the long part).
+    hide_transformers_bars()
     # One pipeline for every turn: its encoder and prefix caches serve the follow-ups.
     policy = configs.ask_scheduling_policy(args)
     pipeline = build_embedded_pipeline(

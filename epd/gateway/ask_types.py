@@ -63,6 +63,9 @@ class AskSummary:
     kept_visual_token_index: list[int] = field(default_factory=list)
     num_reused_prompt_tokens: int = 0
     """Prompt tokens whose KV prefill took from its prefix cache (earlier turns about the same media)."""
+    num_stored_prompt_tokens: int = 0
+    """Prompt tokens this request wrote into prefill's prefix cache (`PrefillHandle`'s): the
+    Responses API's `cache_write_tokens`."""
     stop_reason: StopReason = None
     """vLLM's: the stop string or stop token id that ended the answer; None when the
     end-of-sequence token or the length limit did (`OutputText.stop_reason`)."""

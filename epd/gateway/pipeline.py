@@ -391,6 +391,7 @@ class Pipeline:
             kept_visual_token_index=handle.kept_visual_token_index
             or ([] if media is None or media.token_index is None else media.token_index.tolist()),
             num_reused_prompt_tokens=handle.num_reused_prompt_tokens,
+            num_stored_prompt_tokens=handle.num_stored_prompt_tokens,
             stop_reason=first_choice.stop_reason,
             logprobs=first_choice.logprobs,
             choices=[c.summary() for c in choices],

@@ -4,7 +4,9 @@ reaches a front door whose stages are still loading their models, or have all di
 replica of several going away only takes it out of routing.
 
 `StageHealth` checks the stages on demand (HTTP `GET /health`); `watch_stages` re-checks them
-every `stage_check_interval_s` and flips the gateway's grpc.health status when they change. Each
+every `stage_check_interval_s` and flips the gateway's grpc.health status when they change. The
+gateway builds one (`server.main`) for both, so they share one view: a check in flight, which
+replicas are down, and the log line that says so once. Each
 check also tells the stages' replica pools which replicas serve: requests are routed over those
 (a replica that stopped serving leaves routing at the check, one whose call failed at once; either
 comes back when a check finds it SERVING). The replicas checked are the pools' current ones, so a
@@ -137,7 +139,11 @@ class StageHealth:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def close(self) -> None:
-        for channel in self._channels.values():
+        """Close the checks' own channels (the pools' are the pipeline's). Idempotent: the gateway's
+        one StageHealth is closed by the gRPC server's watch and by the HTTP API's stop, whichever
+        ends first; a check after it opens a channel the next close closes."""
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
             await channel.close()
 
 

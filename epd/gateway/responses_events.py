@@ -197,11 +197,16 @@ class ResponseEvents:
         return events + [self._event("response.failed", response=response)]
 
     def _usage(self, summary: AskSummary) -> dict[str, Any]:
-        """The Responses API's usage: chat's counts under its names, and the reasoning tokens."""
+        """The Responses API's usage: chat's counts under its names, the reasoning tokens, and
+        `cache_write_tokens` (OpenAI's client requires it; vLLM writes `cached_tokens` alone): the
+        prompt tokens this request wrote into prefill's prefix cache, beside those it read there."""
         output = len(summary.token_ids)
         return {
             "input_tokens": summary.num_prompt_tokens,
-            "input_tokens_details": {"cached_tokens": summary.num_reused_prompt_tokens},
+            "input_tokens_details": {
+                "cached_tokens": summary.num_reused_prompt_tokens,
+                "cache_write_tokens": summary.num_stored_prompt_tokens,
+            },
             "output_tokens": output,
             "output_tokens_details": {
                 "reasoning_tokens": 0 if self._reasoning is None else self._reasoning.num_reasoning_tokens

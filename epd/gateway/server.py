@@ -176,15 +176,18 @@ async def main(config: GatewayConfig, local: Pipeline | None = None) -> None:
         raise SystemExit(f"epd serve gateway: {exc}") from None
     stages = local or remote_pipeline(config, replicas)
     pipeline = MeteredPipeline(stages, metrics)
-    health = InProcessHealth() if local is not None else None
+    # One health view for HTTP /health and gRPC's health and readiness: one check in flight at a
+    # time, one record of which replicas are down (and one log line when one goes down).
+    health: StageHealth | InProcessHealth = (
+        InProcessHealth() if local is not None else StageHealth(config, pools=stage_pools(pipeline))
+    )
     admission = Admission.of_gateway(config)  # one per process: a client's limit counts both APIs
     http = None
     try:
         if config.http.port is not None:
             from epd.gateway.http_server import start_http_api  # aiohttp only when asked for
 
-            stage_health = health or StageHealth(config, pools=stage_pools(pipeline))
-            http = await start_http_api(config, pipeline, metrics, stage_health, admission)
+            http = await start_http_api(config, pipeline, metrics, health, admission)
             if config.server.security.tls_cert and any(
                 not site.name.startswith("https") for site in http.runner.sites
             ):

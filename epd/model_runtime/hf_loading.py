@@ -332,9 +332,10 @@ def load_language_model(path: str, hf_config, dtype: torch.dtype, text_cls):
 
 def hide_transformers_bars() -> None:
     """Draw none of transformers' own progress bars in this process from now on: the whole model's
-    "Loading weights" bar (`epd serve --colocate` loads through `from_pretrained`) in a server's
-    stderr, which is its log. The stack's stages read their one part themselves and never drew it.
-    The hub's download bars are not transformers' and stay, in both: a download is the long part."""
+    "Loading weights" bar (`epd serve --colocate` and embedded `epd ask` load through
+    `from_pretrained`) in a server's stderr, which is its log, or beside `epd ask`'s own progress.
+    The stack's stages read their one part themselves and never drew it. The hub's download bars
+    are not transformers' and stay: a download is the long part."""
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.set_tqdm_hook(lambda bar, args, kwargs: bar(*args, **{**kwargs, "disable": True}))

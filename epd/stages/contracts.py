@@ -324,6 +324,10 @@ class PrefillHandle(Generic[T]):
     num_reused_prompt_tokens: int = 0
     """Prompt tokens [0, this) whose KV came from prefill's prefix cache instead of being computed
     (a follow-up question about the same media; 0: none)."""
+    num_stored_prompt_tokens: int = 0
+    """Prompt tokens this request wrote into prefill's prefix cache: those past the prefix it held
+    already (`PrefixCache.put`); 0 with the cache off, or when it held them all. The Responses
+    API's `input_tokens_details.cache_write_tokens`."""
     first_text: str | None = None
     """The text the decoder's first step will stream with `first_token_id` (the same rules from the
     same state, `OutputText`), so the pipeline can send that token as soon as prefill is done,

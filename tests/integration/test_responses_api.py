@@ -9,11 +9,15 @@ from __future__ import annotations
 import base64
 import json
 import urllib.request
+import uuid
 
 import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from tests.integration.structured_cases import SCHEMA
+from tests.local_http import post_json, sse_chunks
 from tests.tool_data import WEATHER, no_whitespace_bias
 
 QUESTION = "what colour is the moving square?"
@@ -291,3 +295,33 @@ def test_refusals_are_chats_statuses(client, shared_stack):
     with urllib.request.urlopen(f"http://127.0.0.1:{shared_stack.http_port}/metrics", timeout=30) as reply:
         metrics = reply.read().decode()
     assert 'route="/v1/responses"' in metrics and 'code="400"' in metrics
+
+
+def test_usage_says_the_prompt_tokens_written_to_and_read_from_prefills_prefix_cache(shared_stack):
+    """OpenAI's client models require `input_tokens_details.cache_write_tokens` ("the number of
+    input tokens that were written to the cache"), which epd did not write (vLLM writes
+    `cached_tokens` alone). A first prompt writes all its tokens into prefill's prefix cache and
+    reads none; the same prompt again, streamed, writes none and reads all but its last (at least
+    one token is computed, for the first token's logits: vLLM backs off the same way). Its own
+    tenant (`cache_salt`), so that nothing cached before by the shared stack is found."""
+    body = {"model": "epd", "input": QUESTION, "max_output_tokens": 2, "cache_salt": f"writes-{uuid.uuid4()}"}
+    status, first = post_json(shared_stack.http_port, "/v1/responses", body)
+    assert status == 200, first
+    Response.model_validate(first, strict=True)
+    num_prompt_tokens = first["usage"]["input_tokens"]
+    assert first["usage"]["input_tokens_details"] == {
+        "cached_tokens": 0,
+        "cache_write_tokens": num_prompt_tokens,
+    }
+
+    # The stream's last event (response.completed, or response.incomplete at max_output_tokens as
+    # here: the tiny model runs on) carries the same usage.
+    events = sse_chunks(shared_stack.http_port, "/v1/responses", body)
+    last = TypeAdapter(ResponseStreamEvent).validate_python(events[-1], strict=True)
+    assert last.type in ("response.completed", "response.incomplete"), last.type
+    usage = last.response.usage
+    assert usage is not None and usage.input_tokens == num_prompt_tokens
+    assert usage.input_tokens_details.model_dump(exclude_none=True) == {
+        "cached_tokens": num_prompt_tokens - 1,
+        "cache_write_tokens": 0,
+    }

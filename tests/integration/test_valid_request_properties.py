@@ -19,7 +19,10 @@ of its range (a 400 naming the problem). Properties of every answer:
   (vLLM's order) and the others in falling order; a greedy answer's sampled token is the most
   likely one when nothing but the model's logits picked it;
 - a greedy or seeded request streamed and not gives the same text, token ids, logprobs' tokens,
-  tool calls and finish reasons;
+  tool calls and finish reasons, and the same logprob values within `LOGPROB_ABS_TOL` (top tokens
+  exactly, but for the order of near-ties: `same_tops`);
+- a stop string in the text of the first min_tokens tokens does not end the answer (vLLM's
+  detokenizer order; the min_tokens logits mask covers stop token ids only);
 - a request with one field out of range is a 400 whose JSON error has a message; nothing is 5xx;
 - afterwards the stack is healthy.
 
@@ -37,7 +40,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -66,6 +69,18 @@ PROMPT_IDS = TOKEN_IDS.filter(lambda i: i not in (5, 6))
 in a prompt (a completion's are a 400)."""
 STREAM_EVENTS = TypeAdapter(ResponseStreamEvent)
 EOS_TOKEN_ID = 2  # the tiny model's <|im_end|>, its generation config's only end-of-sequence id
+Entry = tuple[str, float, tuple[tuple[str, float], ...]]
+"""One generated token's logprobs as the properties compare them: (token, logprob, its top
+((token, logprob), ...), the sampled token first, then the most likely falling: vLLM's order)."""
+LOGPROB_ABS_TOL = 1e-4
+"""How far a logprob (float32) may be between a request streamed and the same request whole. The
+two are not computed alike: the second one's prompt comes from prefill's prefix cache (its prefill
+runs over the last token alone, summing in another order), and each decode step batches with
+whatever runs beside it (padding, other rows' lengths). Measured over the three endpoints'
+properties (docs/benchmarks.md, "Logprobs streamed and whole"): at most 1.4e-5 over 3,831 values
+that differed at all; 1e-4 leaves room. Where two top
+tokens' logprobs are that close (a near-tie, within twice this), their order may differ: compared
+as a set (`same_tops`)."""
 
 
 @pytest.fixture(scope="module")
@@ -366,10 +381,65 @@ def token_counts(usage: dict | None) -> tuple[int, int] | None:
 
 
 def same_answer(body: dict, first: Answered, second: Answered) -> None:
-    """The same choices, and the same prompt and completion tokens where both say them."""
+    """The same choices (their logprobs within LOGPROB_ABS_TOL), and the same prompt and
+    completion tokens where both say them."""
     assert first[0] == second[0], (body, first[0], second[0])
+    for a, b in zip(first[0], second[0], strict=True):
+        same_logprobs(body, a.logprobs, b.logprobs)
     if first[1] is not None and second[1] is not None:
         assert first[1] == second[1], (body, first[1], second[1])
+
+
+def close(x: float, y: float) -> bool:
+    return x == y or abs(x - y) <= LOGPROB_ABS_TOL  # == for -inf (a token no rule lets through)
+
+
+def same_logprobs(body: dict, a: tuple[Entry, ...] | None, b: tuple[Entry, ...] | None) -> None:
+    """The same request's logprobs streamed and whole (their tokens are compared exactly before):
+    each token's logprob within LOGPROB_ABS_TOL, its top tokens as `same_tops` says."""
+    if a is None or b is None:  # not asked, or not told apart from an echo's prompt tokens
+        return
+    assert len(a) == len(b), (body, a, b)
+    for (token, logprob_a, tops_a), (_, logprob_b, tops_b) in zip(a, b, strict=True):
+        assert close(logprob_a, logprob_b), (token, logprob_a, logprob_b, body)
+        same_tops(tops_a, tops_b, logprob_a, body)
+
+
+def same_tops(
+    a: tuple[tuple[str, float], ...], b: tuple[tuple[str, float], ...], sampled: float, body: dict
+) -> None:
+    """Top tokens (the sampled token first, then the most likely falling) streamed and whole: the
+    same tokens, their logprobs within LOGPROB_ABS_TOL, but at near-ties. Tokens whose logprobs are
+    within twice the tolerance may come in either order (compared as a set), and the last of them
+    may trade places with the first not shown; a completion's dict (k + 1 long when the sampled
+    token is not among the k most likely) may be one shorter in one when the sampled token ties
+    with the k-th. A completion's tops holding "\ufffd" (pieces of one character, one entry for
+    several tokens) are not compared."""
+    if any("\ufffd" in t for t, _ in (*a, *b)):
+        return
+    assert len(a) == len(b) == 0 or (a[0][0] == b[0][0] and close(a[0][1], b[0][1])), (a, b, body)
+    rest_a, rest_b = list(a[1:]), list(b[1:])
+    if len(rest_a) != len(rest_b):
+        longer = rest_a if len(rest_a) > len(rest_b) else rest_b
+        tied = longer[-1][1] - sampled <= 2 * LOGPROB_ABS_TOL
+        assert abs(len(rest_a) - len(rest_b)) == 1 and tied, (a, b, body)
+        rest_a, rest_b = rest_a[: len(rest_b)], rest_b[: len(rest_a)]
+    for (_, value_a), (_, value_b) in zip(rest_a, rest_b, strict=True):
+        assert close(value_a, value_b), (a, b, body)
+    n = len(rest_a)
+    if n == 0:
+        return
+    apart = [
+        i for i in range(1, n) if all(r[i - 1][1] - r[i][1] > 2 * LOGPROB_ABS_TOL for r in (rest_a, rest_b))
+    ]
+    for lo, hi in zip([0, *apart], [*apart, n], strict=True):
+        group_a, group_b = rest_a[lo:hi], rest_b[lo:hi]
+        if hi < n:
+            assert sorted(t for t, _ in group_a) == sorted(t for t, _ in group_b), (a, b, body)
+        else:  # the last group: those tied with the first token not shown may differ
+            edge = min(group_a[-1][1], group_b[-1][1]) + 3 * LOGPROB_ABS_TOL
+            assert {t for t, v in group_a if v > edge} <= {t for t, _ in group_b}, (a, b, body)
+            assert {t for t, v in group_b if v > edge} <= {t for t, _ in group_a}, (a, b, body)
 
 
 @dataclass(frozen=True)
@@ -382,6 +452,9 @@ class Choice:
     token_ids: tuple[int, ...] | None
     logprob_tokens: tuple[str, ...] | None
     tool_calls: tuple[tuple[str, str], ...]
+    logprobs: tuple[Entry, ...] | None = field(default=None, compare=False)
+    """Each token's logprob and top tokens (when asked): compared within LOGPROB_ABS_TOL
+    (`same_logprobs`), not exactly."""
 
 
 Answered = tuple[list[Choice], tuple[int, int] | None]
@@ -476,9 +549,7 @@ def check_usage(body: dict, usage: dict, prompt_ids: list[int] | None, counts: l
         assert usage["completion_tokens"] == sum(c for c in counts if c is not None), (usage, counts, body)
 
 
-def check_top_logprobs(
-    body: dict, k: int, entries: list[tuple[str, float, list[tuple[str, float]]]], one_more: bool = False
-) -> None:
+def check_top_logprobs(body: dict, k: int, entries: list[Entry], one_more: bool = False) -> None:
     """Each position's (token, logprob, [(token, logprob)] tops): k of them, the sampled token first
     and the others falling; greedy with nothing but the logits choosing, the sampled is the best.
     `one_more`: a completion's dict, k + 1 long when the sampled token is not among the k most
@@ -513,15 +584,15 @@ def chat_choices(body: dict, answer: dict) -> Answered:
         if ids is not None and content is not None:
             assert len(ids) == len(content), (ids, content)
         count = len(ids) if ids is not None else len(content) if content is not None else None
-        if content is not None:
-            check_top_logprobs(body, body.get("top_logprobs", 0), [
-                (e["token"], e["logprob"], [(t["token"], t["logprob"]) for t in e["top_logprobs"]]) for e in content
-            ])  # fmt: skip
+        entries = None if content is None else chat_entries(content)
+        if entries is not None:
+            check_top_logprobs(body, body.get("top_logprobs", 0), entries)
         calls = tuple(
             (t["function"]["name"], t["function"]["arguments"]) for t in message.get("tool_calls") or ()
         )
         choice = Choice(c["index"], message.get("content") or "", c["finish_reason"], tuple(ids) if ids else ids,
-                        tuple(e["token"] for e in content) if content is not None else None, calls)  # fmt: skip
+                        tuple(e[0] for e in entries) if entries is not None else None, calls,
+                        tuple(entries) if entries is not None else None)  # fmt: skip
         check_choice(body, choice, count)
         choices.append(choice)
         counts.append(count)
@@ -533,6 +604,12 @@ def chat_choices(body: dict, answer: dict) -> Answered:
         assert len(answer["prompt_logprobs"]) == answer["usage"]["prompt_tokens"], answer["usage"]
         check_prompt_logprobs(body["prompt_logprobs"], answer["prompt_logprobs"])
     return choices, token_counts(answer["usage"])
+
+
+def chat_entries(content: list[dict]) -> list[Entry]:
+    """Chat's (and the Responses API's) logprobs entries."""
+    return [(e["token"], e["logprob"], tuple((t["token"], t["logprob"]) for t in e["top_logprobs"]))
+            for e in content]  # fmt: skip
 
 
 def check_prompt_logprobs(k: int, entries: list[dict[str, dict] | None]) -> None:
@@ -585,18 +662,16 @@ def stream_steps(
 def chat_stream_choices(body: dict, chunks: list[dict]) -> Answered:
     """The choices the chunks add up to, each chunk checked on the way."""
     parts: dict[int, dict[str, Any]] = {
-        i: {"text": "", "ids": [], "tokens": [], "finish": None, "calls": {}, "prompt_ids": None}
+        i: {"text": "", "ids": [], "entries": [], "finish": None, "calls": {}, "prompt_ids": None}
         for i in range(body.get("n", 1))
     }
     for chunk, c, part in stream_steps(body, chunks, ChatCompletionChunk.model_validate, parts):
         delta = c["delta"]
         part["text"] += delta.get("content") or ""
         part["prompt_ids"] = part["prompt_ids"] or chunk.get("prompt_token_ids")  # vLLM's: the chunk's
-        entries = (c.get("logprobs") or {}).get("content") or []
-        part["tokens"] += [e["token"] for e in entries]
-        check_top_logprobs(body, body.get("top_logprobs", 0), [
-            (e["token"], e["logprob"], [(t["token"], t["logprob"]) for t in e["top_logprobs"]]) for e in entries
-        ])  # fmt: skip
+        entries = chat_entries((c.get("logprobs") or {}).get("content") or [])
+        part["entries"] += entries
+        check_top_logprobs(body, body.get("top_logprobs", 0), entries)
         for call in delta.get("tool_calls") or ():
             name, arguments = part["calls"].get(call["index"], ("", ""))
             function = call.get("function") or {}
@@ -604,23 +679,24 @@ def chat_stream_choices(body: dict, chunks: list[dict]) -> Answered:
                 name + (function.get("name") or ""),
                 arguments + (function.get("arguments") or ""),
             )
-    return streamed_choices(body, parts, lambda part: part["tokens"] if body.get("logprobs") else None)
+    return streamed_choices(body, parts, lambda part: part["entries"] if body.get("logprobs") else None)
 
 
 def streamed_choices(
-    body: dict, parts: dict[int, dict[str, Any]], tokens: Callable[[dict], list[str] | None]
+    body: dict, parts: dict[int, dict[str, Any]], logprobs: Callable[[dict], list[Entry] | None]
 ) -> Answered:
     """The `Choice`s of a stream's `parts` (`stream_steps`), each checked, and the usage chunk's
-    usage; `tokens`: a part's generated tokens by their logprobs, None when not asked."""
+    usage; `logprobs`: a part's generated tokens' logprobs entries, None when not asked."""
     choices, counts = [], []
     for i in range(body.get("n", 1)):
         part = parts[i]
         ids = tuple(part["ids"]) if body.get("return_token_ids") else None
-        logprob_tokens = tokens(part)
-        count = len(ids) if ids is not None else len(logprob_tokens) if logprob_tokens is not None else None
+        entries = logprobs(part)
+        count = len(ids) if ids is not None else len(entries) if entries is not None else None
         choice = Choice(i, part["text"], part["finish"], ids,
-                        tuple(logprob_tokens) if logprob_tokens is not None else None,
-                        tuple(part["calls"][k] for k in sorted(part.get("calls", ()))))  # fmt: skip
+                        tuple(e[0] for e in entries) if entries is not None else None,
+                        tuple(part["calls"][k] for k in sorted(part.get("calls", ()))),
+                        tuple(entries) if entries is not None else None)  # fmt: skip
         check_choice(body, choice, count)
         if body.get("return_token_ids"):
             assert part["prompt_ids"] is not None, ("no prompt_token_ids for choice", i)
@@ -657,9 +733,55 @@ def test_completions(stack):
     run()
 
 
-def completion_logprob_entries(logprobs: dict) -> list[tuple[str, float, list[tuple[str, float]]]]:
-    return [(t, lp, list((top or {}).items())) for t, lp, top in zip(logprobs["tokens"], logprobs["token_logprobs"],
-                                                             logprobs["top_logprobs"], strict=True)]  # fmt: skip
+@st.composite
+def min_tokens_bodies(draw) -> tuple[dict[str, Any], int]:
+    """A greedy completion that runs to max_tokens (ignore_eos; no stop token ids) with its token
+    ids, and a min_tokens below max_tokens."""
+    max_tokens = draw(st.integers(3, 16))
+    prompt = draw(st.one_of(TEXT, st.lists(PROMPT_IDS, min_size=1, max_size=12)))
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True, **draw(DECODING)}  # fmt: skip
+    return body, draw(st.integers(2, max_tokens - 1))
+
+
+def test_a_stop_string_in_the_first_min_tokens_does_not_end_the_answer(stack):
+    """vLLM's order (epd/model_runtime/detokenizer.py): stop strings are looked for only once more
+    than min_tokens tokens are in, and only where they end in the text those later tokens add;
+    min_tokens' logits mask covers the stop token ids alone, so a detokenizer that looked in the
+    first min_tokens tokens' text ended the answer there. The stop string is a piece of that text
+    (the same greedy request cut at min_tokens tokens first), so such a detokenizer finds it: the
+    answer must still start with those tokens, and a stop string end it only after them."""
+
+    @VALID
+    @given(case=min_tokens_bodies(), data=st.data())
+    def run(case: tuple[dict[str, Any], int], data: st.DataObject) -> None:
+        body, min_tokens = case
+        # Cut at min_tokens, with the same min_tokens: its mask holds the end-of-sequence token
+        # back even under ignore_eos (vLLM's `_all_stop_token_ids`), so these are the same tokens.
+        early = post(
+            stack.http_port, COMPLETIONS, {**body, "max_tokens": min_tokens, "min_tokens": min_tokens}
+        )
+        assert early.status == 200, (early.status, early.body, body)
+        early_ids = early.body["choices"][0]["token_ids"]
+        text = early.body["choices"][0]["text"].split("\ufffd")[0]  # whole characters only
+        if not text:
+            return
+        start = data.draw(st.integers(0, len(text) - 1), label="stop string's start")
+        stop = text[start : data.draw(st.integers(start + 1, min(start + 4, len(text))), label="its end")]
+        asked = {**body, "min_tokens": min_tokens, "stop": [stop]}
+        answer = post(stack.http_port, COMPLETIONS, asked)
+        assert answer.status == 200, (answer.status, answer.body, asked)
+        choice = answer.body["choices"][0]
+        assert choice["token_ids"][:min_tokens] == early_ids, (choice, early_ids, asked)
+        if choice["finish_reason"] == "stop":
+            assert len(choice["token_ids"]) > min_tokens, (choice, asked)
+
+    run()
+
+
+def completion_logprob_entries(logprobs: dict) -> list[Entry]:
+    return [(t, lp, tuple((top or {}).items())) for t, lp, top in zip(logprobs["tokens"], logprobs["token_logprobs"],
+                                                              logprobs["top_logprobs"], strict=True)]  # fmt: skip
 
 
 def validate_completion(answer: dict, chunk: bool = False) -> None:
@@ -690,7 +812,7 @@ def completion_choices(body: dict, answer: dict) -> Answered:
         prompt_ids = c.get("prompt_token_ids")
         logprobs = c.get("logprobs")
         assert (logprobs is not None) == ("logprobs" in body), c
-        tokens = None
+        tokens = entries = None
         if logprobs is not None:
             entries = completion_logprob_entries(logprobs)
             if body.get("echo"):  # the prompt's tokens first (the first with nulls)
@@ -699,9 +821,8 @@ def completion_choices(body: dict, answer: dict) -> Answered:
                 check_top_logprobs(body, body["logprobs"], entries, one_more=True)
                 tokens = tuple(t for t, _, _ in entries)
         count = len(ids) if ids is not None else len(tokens) if tokens is not None else None
-        choice = Choice(
-            c["index"], c["text"], c["finish_reason"], tuple(ids) if ids is not None else None, tokens, ()
-        )
+        choice = Choice(c["index"], c["text"], c["finish_reason"], tuple(ids) if ids is not None else None, tokens,
+                        (), tuple(entries) if entries is not None else None)  # fmt: skip
         check_choice(body, choice, count)
         choices.append(choice)
         counts.append(count)
@@ -716,21 +837,22 @@ def completion_choices(body: dict, answer: dict) -> Answered:
 
 def completion_stream_choices(body: dict, chunks: list[dict]) -> Answered:
     parts: dict[int, dict[str, Any]] = {
-        i: {"text": "", "ids": [], "tokens": [], "finish": None, "prompt_ids": None}
+        i: {"text": "", "ids": [], "entries": [], "finish": None, "prompt_ids": None}
         for i in range(body.get("n", 1))
     }
     for _, c, part in stream_steps(body, chunks, lambda chunk: validate_completion(chunk, chunk=True), parts):
         part["text"] += c["text"]
         part["prompt_ids"] = part["prompt_ids"] or c.get("prompt_token_ids")
-        part["tokens"] += (c.get("logprobs") or {}).get("tokens") or []
+        if c.get("logprobs"):
+            part["entries"] += completion_logprob_entries(c["logprobs"])
 
-    def tokens(part: dict) -> list[str] | None:
+    def logprobs(part: dict) -> list[Entry] | None:
         """The generated tokens' (an echo's prompt tokens come first)."""
         if "logprobs" not in body or (body.get("echo") and part["prompt_ids"] is None):
             return None
-        return part["tokens"][len(part["prompt_ids"]) :] if body.get("echo") else part["tokens"]
+        return part["entries"][len(part["prompt_ids"]) :] if body.get("echo") else part["entries"]
 
-    return streamed_choices(body, parts, tokens)
+    return streamed_choices(body, parts, logprobs)
 
 
 # --- several at once ---
@@ -835,12 +957,14 @@ def test_responses(stack, media_urls):
             final = responses_stream(body, answer.body)
         else:
             final = answer.body
-        whole = response_summary(body, final)
+        whole, logprobs = response_summary(body, final)
         if reproducible(body):
             other = post(stack.http_port, RESPONSES, {**body, "stream": not body.get("stream")}, media_urls)
             assert other.status == 200, (other.status, other.body, body)
             other_final = responses_stream(body, other.body) if not body.get("stream") else other.body
-            assert whole == response_summary(body, other_final), (body, final, other_final)
+            other_whole, other_logprobs = response_summary(body, other_final)
+            assert whole == other_whole, (body, final, other_final)
+            same_logprobs(body, logprobs, other_logprobs)
 
     run()
 
@@ -850,7 +974,7 @@ def responses_stream(body: dict, events: list[dict]) -> dict:
     the final message's text."""
     deltas = ""
     for event in events:
-        STREAM_EVENTS.validate_python(with_cache_writes(event))
+        STREAM_EVENTS.validate_python(event)  # usage's cache_write_tokens required: epd writes it
         if event["type"] == "response.output_text.delta":
             deltas += event["delta"]
     assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]
@@ -859,25 +983,15 @@ def responses_stream(body: dict, events: list[dict]) -> dict:
     return final
 
 
-def with_cache_writes(event: dict) -> dict:
-    """`event` (a dict holding a "response") with `usage.input_tokens_details.cache_write_tokens`
-    0 where it is missing: OpenAI's newer client models require it, vLLM's Responses usage (and
-    epd's) writes `cached_tokens` alone."""
-    details = ((event.get("response") or {}).get("usage") or {}).get("input_tokens_details")
-    if details is not None and "cache_write_tokens" not in details:
-        event = json.loads(json.dumps(event))
-        event["response"]["usage"]["input_tokens_details"]["cache_write_tokens"] = 0
-    return event
-
-
 def output_text(response: dict) -> str:
     return "".join(part["text"] for item in response["output"] if item["type"] == "message"
                    for part in item["content"] if part["type"] == "output_text")  # fmt: skip
 
 
-def response_summary(body: dict, response: dict) -> tuple:
-    """Check a (final) response; what a greedy answer streamed and not must share."""
-    Response.model_validate(with_cache_writes({"response": response})["response"])
+def response_summary(body: dict, response: dict) -> tuple[tuple, tuple[Entry, ...] | None]:
+    """Check a (final) response; what a greedy answer streamed and not must share, exactly, and its
+    logprobs entries (None when not asked), which it must share within LOGPROB_ABS_TOL."""
+    Response.model_validate(response)
     usage = response["usage"]
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"], usage
     max_tokens = body["max_output_tokens"]
@@ -896,17 +1010,16 @@ def response_summary(body: dict, response: dict) -> tuple:
     )
     if response["status"] == "completed" and not calls:
         check_structured(body, text)
-    logprobs = None
+    logprobs = entries = None
     if body.get("include") and not calls:
-        entries = [lp for item in response["output"] if item["type"] == "message" for part in item["content"]
-                   if part["type"] == "output_text" for lp in part.get("logprobs") or ()]  # fmt: skip
-        check_top_logprobs(body, body["top_logprobs"], [
-            (e["token"], e["logprob"], [(t["token"], t["logprob"]) for t in e["top_logprobs"]]) for e in entries
-        ])  # fmt: skip
-        logprobs = tuple(e["token"] for e in entries)
+        entries = tuple(chat_entries([lp for item in response["output"] if item["type"] == "message"
+                                      for part in item["content"] if part["type"] == "output_text"
+                                      for lp in part.get("logprobs") or ()]))  # fmt: skip
+        check_top_logprobs(body, body["top_logprobs"], list(entries))
+        logprobs = tuple(e[0] for e in entries)
         if text:
             assert len(entries) == usage["output_tokens"], (entries, usage)
-    return text, calls, response["status"], usage["input_tokens"], usage["output_tokens"], logprobs
+    return (text, calls, response["status"], usage["input_tokens"], usage["output_tokens"], logprobs), entries
 
 
 def test_healthy_after(stack):

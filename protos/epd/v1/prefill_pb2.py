@@ -27,7 +27,7 @@ from epd.v1 import encoder_pb2 as epd_dot_v1_dot_encoder__pb2
 from epd.v1 import messages_pb2 as epd_dot_v1_dot_messages__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65pd/v1/prefill.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\x1a\x14\x65pd/v1/encoder.proto\x1a\x15\x65pd/v1/messages.proto\"\xd4\x02\n\rPrefillHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06visual\x18\x03 \x01(\x0b\x32\x14.epd.v1.EncodeResult\x12,\n\ngeneration\x18\x04 \x01(\x0b\x32\x18.epd.v1.GenerationParams\x12\'\n\x07pruning\x18\x05 \x01(\x0b\x32\x16.epd.v1.PruningOptions\x12%\n\x08messages\x18\x06 \x03(\x0b\x32\x13.epd.v1.ChatMessage\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x11\n\tkv_handle\x18\x08 \x01(\t\x12%\n\nraw_prompt\x18\t \x01(\x0b\x32\x11.epd.v1.RawPrompt\x12-\n\x08template\x18\n \x01(\x0b\x32\x1b.epd.v1.ChatTemplateOptionsJ\x04\x08\x02\x10\x03R\x08question\"o\n\x0ePrefillRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.epd.v1.PrefillHeaderH\x00\x12,\n\rvisual_embeds\x18\x02 \x01(\x0b\x32\x13.epd.v1.TensorChunkH\x00\x42\x06\n\x04kind\"\xbb\x05\n\rPrefillResult\x12\x11\n\tkv_handle\x18\x01 \x01(\t\x12\x12\n\nkv_address\x18\x02 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x19\n\x11next_position_ids\x18\x06 \x03(\x03\x12\x14\n\x0ckv_num_bytes\x18\x07 \x01(\x03\x12\x12\n\nprefill_ms\x18\x08 \x01(\x01\x12\x1c\n\x14num_visual_tokens_in\x18\t \x01(\x03\x12\x1d\n\x15num_visual_tokens_out\x18\n \x01(\x03\x12!\n\x19kv_num_bytes_uncompressed\x18\x0b \x01(\x03\x12&\n\x07pruning\x18\x0c \x01(\x0b\x32\x15.epd.v1.PruningReport\x12\x19\n\x11visual_entry_mask\x18\r \x01(\x0c\x12\x1f\n\x17kept_visual_token_index\x18\x0e \x03(\x03\x12 \n\x18num_reused_prompt_tokens\x18\x0f \x01(\x05\x12\x17\n\nfirst_text\x18\x10 \x01(\tH\x00\x88\x01\x01\x12!\n\x19\x64istinct_prompt_token_ids\x18\x11 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x12 \x01(\x05\x12+\n\rfirst_logprob\x18\x13 \x01(\x0b\x32\x14.epd.v1.TokenLogprob\x12*\n\rother_choices\x18\x14 \x03(\x0b\x32\x13.epd.v1.ChoiceStart\x12\x1d\n\x15prompt_ends_reasoning\x18\x16 \x01(\x08\x12\x18\n\x10prompt_token_ids\x18\x17 \x03(\x05\x42\r\n\x0b_first_textJ\x04\x08\x15\x10\x16R\x0fprompt_logprobs\"u\n\x0fPrefillResponse\x12\x31\n\x0fprompt_logprobs\x18\x01 \x01(\x0b\x32\x16.epd.v1.PromptLogprobsH\x00\x12\'\n\x06result\x18\x02 \x01(\x0b\x32\x15.epd.v1.PrefillResultH\x00\x42\x06\n\x04kind\"z\n\x0b\x43hoiceStart\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x17\n\nfirst_text\x18\x02 \x01(\tH\x00\x88\x01\x01\x12+\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x14.epd.v1.TokenLogprobB\r\n\x0b_first_text\"@\n\rPullKvRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\t\x12\x1c\n\x14keep_until_confirmed\x18\x02 \x01(\x08\".\n\x07KvChunk\x12#\n\x06tensor\x18\x01 \x01(\x0b\x32\x13.epd.v1.TensorChunk\"K\n\x10ReleaseKvRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x10\n\x08received\x18\x03 \x01(\x08\"V\n\x0fReleaseKvResult\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x1a\n\x12num_kv_caches_held\x18\x02 \x01(\x05\x12\x15\n\rkv_bytes_held\x18\x03 \x01(\x03\"\x15\n\x13GetModelInfoRequest\"\xdc\x02\n\tModelInfo\x12\x12\n\nvocab_size\x18\x01 \x01(\x03\x12\x16\n\x0e\x63ontext_tokens\x18\x02 \x01(\x03\x12\x19\n\x11max_prompt_tokens\x18\x03 \x01(\x03\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x03\x12\x12\n\nmodel_type\x18\x05 \x01(\t\x12\x19\n\x0cmax_logprobs\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x19\n\x11reasoning_markers\x18\x07 \x03(\t\x12#\n\x1btrust_request_chat_template\x18\x08 \x01(\x08\x12\x19\n\x11scheduling_policy\x18\t \x01(\t\x12\x1c\n\x14reasoning_marker_ids\x18\n \x03(\x03\x12\x37\n\x13generation_defaults\x18\x0b \x01(\x0b\x32\x1a.epd.v1.GenerationDefaultsB\x0f\n\r_max_logprobs\"\x80\x02\n\x12GenerationDefaults\x12\x1f\n\x12repetition_penalty\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x06 \x01(\x03H\x05\x88\x01\x01\x42\x15\n\x13_repetition_penaltyB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x11\n\x0f_max_new_tokens\"\x8d\x02\n\x0fTokenizeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12%\n\x08messages\x18\x03 \x03(\x0b\x32\x13.epd.v1.ChatMessage\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x12\x19\n\x11return_token_strs\x18\x07 \x01(\x08\x12-\n\x08template\x18\x08 \x01(\x0b\x32\x1b.epd.v1.ChatTemplateOptionsB\t\n\x07_promptJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\x15\x61\x64\x64_generation_promptR\x16\x63ontinue_final_message\"7\n\x0eTokenizeResult\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\ntoken_strs\x18\x02 \x03(\t\":\n\x11\x44\x65tokenizeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\" \n\x10\x44\x65tokenizeResult\x12\x0c\n\x04text\x18\x01 \x01(\t\"l\n\x1f\x43ompileStructuredOutputsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x35\n\x12structured_outputs\x18\x02 \x01(\x0b\x32\x19.epd.v1.StructuredOutputs\" \n\x1e\x43ompileStructuredOutputsResult2\xf1\x03\n\x0ePrefillService\x12>\n\x07Prefill\x12\x16.epd.v1.PrefillRequest\x1a\x17.epd.v1.PrefillResponse(\x01\x30\x01\x12\x32\n\x06PullKv\x12\x15.epd.v1.PullKvRequest\x1a\x0f.epd.v1.KvChunk0\x01\x12>\n\tReleaseKv\x12\x18.epd.v1.ReleaseKvRequest\x1a\x17.epd.v1.ReleaseKvResult\x12>\n\x0cGetModelInfo\x12\x1b.epd.v1.GetModelInfoRequest\x1a\x11.epd.v1.ModelInfo\x12;\n\x08Tokenize\x12\x17.epd.v1.TokenizeRequest\x1a\x16.epd.v1.TokenizeResult\x12\x41\n\nDetokenize\x12\x19.epd.v1.DetokenizeRequest\x1a\x18.epd.v1.DetokenizeResult\x12k\n\x18\x43ompileStructuredOutputs\x12\'.epd.v1.CompileStructuredOutputsRequest\x1a&.epd.v1.CompileStructuredOutputsResultb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65pd/v1/prefill.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\x1a\x14\x65pd/v1/encoder.proto\x1a\x15\x65pd/v1/messages.proto\"\xd4\x02\n\rPrefillHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06visual\x18\x03 \x01(\x0b\x32\x14.epd.v1.EncodeResult\x12,\n\ngeneration\x18\x04 \x01(\x0b\x32\x18.epd.v1.GenerationParams\x12\'\n\x07pruning\x18\x05 \x01(\x0b\x32\x16.epd.v1.PruningOptions\x12%\n\x08messages\x18\x06 \x03(\x0b\x32\x13.epd.v1.ChatMessage\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x11\n\tkv_handle\x18\x08 \x01(\t\x12%\n\nraw_prompt\x18\t \x01(\x0b\x32\x11.epd.v1.RawPrompt\x12-\n\x08template\x18\n \x01(\x0b\x32\x1b.epd.v1.ChatTemplateOptionsJ\x04\x08\x02\x10\x03R\x08question\"o\n\x0ePrefillRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.epd.v1.PrefillHeaderH\x00\x12,\n\rvisual_embeds\x18\x02 \x01(\x0b\x32\x13.epd.v1.TensorChunkH\x00\x42\x06\n\x04kind\"\xdd\x05\n\rPrefillResult\x12\x11\n\tkv_handle\x18\x01 \x01(\t\x12\x12\n\nkv_address\x18\x02 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x19\n\x11next_position_ids\x18\x06 \x03(\x03\x12\x14\n\x0ckv_num_bytes\x18\x07 \x01(\x03\x12\x12\n\nprefill_ms\x18\x08 \x01(\x01\x12\x1c\n\x14num_visual_tokens_in\x18\t \x01(\x03\x12\x1d\n\x15num_visual_tokens_out\x18\n \x01(\x03\x12!\n\x19kv_num_bytes_uncompressed\x18\x0b \x01(\x03\x12&\n\x07pruning\x18\x0c \x01(\x0b\x32\x15.epd.v1.PruningReport\x12\x19\n\x11visual_entry_mask\x18\r \x01(\x0c\x12\x1f\n\x17kept_visual_token_index\x18\x0e \x03(\x03\x12 \n\x18num_reused_prompt_tokens\x18\x0f \x01(\x05\x12\x17\n\nfirst_text\x18\x10 \x01(\tH\x00\x88\x01\x01\x12!\n\x19\x64istinct_prompt_token_ids\x18\x11 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x12 \x01(\x05\x12+\n\rfirst_logprob\x18\x13 \x01(\x0b\x32\x14.epd.v1.TokenLogprob\x12*\n\rother_choices\x18\x14 \x03(\x0b\x32\x13.epd.v1.ChoiceStart\x12\x1d\n\x15prompt_ends_reasoning\x18\x16 \x01(\x08\x12\x18\n\x10prompt_token_ids\x18\x17 \x03(\x05\x12 \n\x18num_stored_prompt_tokens\x18\x18 \x01(\x05\x42\r\n\x0b_first_textJ\x04\x08\x15\x10\x16R\x0fprompt_logprobs\"u\n\x0fPrefillResponse\x12\x31\n\x0fprompt_logprobs\x18\x01 \x01(\x0b\x32\x16.epd.v1.PromptLogprobsH\x00\x12\'\n\x06result\x18\x02 \x01(\x0b\x32\x15.epd.v1.PrefillResultH\x00\x42\x06\n\x04kind\"z\n\x0b\x43hoiceStart\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x17\n\nfirst_text\x18\x02 \x01(\tH\x00\x88\x01\x01\x12+\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x14.epd.v1.TokenLogprobB\r\n\x0b_first_text\"@\n\rPullKvRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\t\x12\x1c\n\x14keep_until_confirmed\x18\x02 \x01(\x08\".\n\x07KvChunk\x12#\n\x06tensor\x18\x01 \x01(\x0b\x32\x13.epd.v1.TensorChunk\"K\n\x10ReleaseKvRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x10\n\x08received\x18\x03 \x01(\x08\"V\n\x0fReleaseKvResult\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x1a\n\x12num_kv_caches_held\x18\x02 \x01(\x05\x12\x15\n\rkv_bytes_held\x18\x03 \x01(\x03\"\x15\n\x13GetModelInfoRequest\"\xdc\x02\n\tModelInfo\x12\x12\n\nvocab_size\x18\x01 \x01(\x03\x12\x16\n\x0e\x63ontext_tokens\x18\x02 \x01(\x03\x12\x19\n\x11max_prompt_tokens\x18\x03 \x01(\x03\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x03\x12\x12\n\nmodel_type\x18\x05 \x01(\t\x12\x19\n\x0cmax_logprobs\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x19\n\x11reasoning_markers\x18\x07 \x03(\t\x12#\n\x1btrust_request_chat_template\x18\x08 \x01(\x08\x12\x19\n\x11scheduling_policy\x18\t \x01(\t\x12\x1c\n\x14reasoning_marker_ids\x18\n \x03(\x03\x12\x37\n\x13generation_defaults\x18\x0b \x01(\x0b\x32\x1a.epd.v1.GenerationDefaultsB\x0f\n\r_max_logprobs\"\x80\x02\n\x12GenerationDefaults\x12\x1f\n\x12repetition_penalty\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x06 \x01(\x03H\x05\x88\x01\x01\x42\x15\n\x13_repetition_penaltyB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x11\n\x0f_max_new_tokens\"\x8d\x02\n\x0fTokenizeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12%\n\x08messages\x18\x03 \x03(\x0b\x32\x13.epd.v1.ChatMessage\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x12\x19\n\x11return_token_strs\x18\x07 \x01(\x08\x12-\n\x08template\x18\x08 \x01(\x0b\x32\x1b.epd.v1.ChatTemplateOptionsB\t\n\x07_promptJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\x15\x61\x64\x64_generation_promptR\x16\x63ontinue_final_message\"7\n\x0eTokenizeResult\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\ntoken_strs\x18\x02 \x03(\t\":\n\x11\x44\x65tokenizeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\" \n\x10\x44\x65tokenizeResult\x12\x0c\n\x04text\x18\x01 \x01(\t\"l\n\x1f\x43ompileStructuredOutputsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x35\n\x12structured_outputs\x18\x02 \x01(\x0b\x32\x19.epd.v1.StructuredOutputs\" \n\x1e\x43ompileStructuredOutputsResult2\xf1\x03\n\x0ePrefillService\x12>\n\x07Prefill\x12\x16.epd.v1.PrefillRequest\x1a\x17.epd.v1.PrefillResponse(\x01\x30\x01\x12\x32\n\x06PullKv\x12\x15.epd.v1.PullKvRequest\x1a\x0f.epd.v1.KvChunk0\x01\x12>\n\tReleaseKv\x12\x18.epd.v1.ReleaseKvRequest\x1a\x17.epd.v1.ReleaseKvResult\x12>\n\x0cGetModelInfo\x12\x1b.epd.v1.GetModelInfoRequest\x1a\x11.epd.v1.ModelInfo\x12;\n\x08Tokenize\x12\x17.epd.v1.TokenizeRequest\x1a\x16.epd.v1.TokenizeResult\x12\x41\n\nDetokenize\x12\x19.epd.v1.DetokenizeRequest\x1a\x18.epd.v1.DetokenizeResult\x12k\n\x18\x43ompileStructuredOutputs\x12\'.epd.v1.CompileStructuredOutputsRequest\x1a&.epd.v1.CompileStructuredOutputsResultb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,37 +39,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=441
   _globals['_PREFILLREQUEST']._serialized_end=552
   _globals['_PREFILLRESULT']._serialized_start=555
-  _globals['_PREFILLRESULT']._serialized_end=1254
-  _globals['_PREFILLRESPONSE']._serialized_start=1256
-  _globals['_PREFILLRESPONSE']._serialized_end=1373
-  _globals['_CHOICESTART']._serialized_start=1375
-  _globals['_CHOICESTART']._serialized_end=1497
-  _globals['_PULLKVREQUEST']._serialized_start=1499
-  _globals['_PULLKVREQUEST']._serialized_end=1563
-  _globals['_KVCHUNK']._serialized_start=1565
-  _globals['_KVCHUNK']._serialized_end=1611
-  _globals['_RELEASEKVREQUEST']._serialized_start=1613
-  _globals['_RELEASEKVREQUEST']._serialized_end=1688
-  _globals['_RELEASEKVRESULT']._serialized_start=1690
-  _globals['_RELEASEKVRESULT']._serialized_end=1776
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1778
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1799
-  _globals['_MODELINFO']._serialized_start=1802
-  _globals['_MODELINFO']._serialized_end=2150
-  _globals['_GENERATIONDEFAULTS']._serialized_start=2153
-  _globals['_GENERATIONDEFAULTS']._serialized_end=2409
-  _globals['_TOKENIZEREQUEST']._serialized_start=2412
-  _globals['_TOKENIZEREQUEST']._serialized_end=2681
-  _globals['_TOKENIZERESULT']._serialized_start=2683
-  _globals['_TOKENIZERESULT']._serialized_end=2738
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2740
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2798
-  _globals['_DETOKENIZERESULT']._serialized_start=2800
-  _globals['_DETOKENIZERESULT']._serialized_end=2832
-  _globals['_COMPILESTRUCTUREDOUTPUTSREQUEST']._serialized_start=2834
-  _globals['_COMPILESTRUCTUREDOUTPUTSREQUEST']._serialized_end=2942
-  _globals['_COMPILESTRUCTUREDOUTPUTSRESULT']._serialized_start=2944
-  _globals['_COMPILESTRUCTUREDOUTPUTSRESULT']._serialized_end=2976
-  _globals['_PREFILLSERVICE']._serialized_start=2979
-  _globals['_PREFILLSERVICE']._serialized_end=3476
+  _globals['_PREFILLRESULT']._serialized_end=1288
+  _globals['_PREFILLRESPONSE']._serialized_start=1290
+  _globals['_PREFILLRESPONSE']._serialized_end=1407
+  _globals['_CHOICESTART']._serialized_start=1409
+  _globals['_CHOICESTART']._serialized_end=1531
+  _globals['_PULLKVREQUEST']._serialized_start=1533
+  _globals['_PULLKVREQUEST']._serialized_end=1597
+  _globals['_KVCHUNK']._serialized_start=1599
+  _globals['_KVCHUNK']._serialized_end=1645
+  _globals['_RELEASEKVREQUEST']._serialized_start=1647
+  _globals['_RELEASEKVREQUEST']._serialized_end=1722
+  _globals['_RELEASEKVRESULT']._serialized_start=1724
+  _globals['_RELEASEKVRESULT']._serialized_end=1810
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1812
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1833
+  _globals['_MODELINFO']._serialized_start=1836
+  _globals['_MODELINFO']._serialized_end=2184
+  _globals['_GENERATIONDEFAULTS']._serialized_start=2187
+  _globals['_GENERATIONDEFAULTS']._serialized_end=2443
+  _globals['_TOKENIZEREQUEST']._serialized_start=2446
+  _globals['_TOKENIZEREQUEST']._serialized_end=2715
+  _globals['_TOKENIZERESULT']._serialized_start=2717
+  _globals['_TOKENIZERESULT']._serialized_end=2772
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2774
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2832
+  _globals['_DETOKENIZERESULT']._serialized_start=2834
+  _globals['_DETOKENIZERESULT']._serialized_end=2866
+  _globals['_COMPILESTRUCTUREDOUTPUTSREQUEST']._serialized_start=2868
+  _globals['_COMPILESTRUCTUREDOUTPUTSREQUEST']._serialized_end=2976
+  _globals['_COMPILESTRUCTUREDOUTPUTSRESULT']._serialized_start=2978
+  _globals['_COMPILESTRUCTUREDOUTPUTSRESULT']._serialized_end=3010
+  _globals['_PREFILLSERVICE']._serialized_start=3013
+  _globals['_PREFILLSERVICE']._serialized_end=3510
 # @@protoc_insertion_point(module_scope)

@@ -40,7 +40,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PrefillHeader, _Mapping]] = ..., visual_embeds: _Optional[_Union[_common_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
-    __slots__ = ("kv_handle", "kv_address", "first_token_id", "num_prompt_tokens", "num_cached_tokens", "next_position_ids", "kv_num_bytes", "prefill_ms", "num_visual_tokens_in", "num_visual_tokens_out", "kv_num_bytes_uncompressed", "pruning", "visual_entry_mask", "kept_visual_token_index", "num_reused_prompt_tokens", "first_text", "distinct_prompt_token_ids", "max_new_tokens", "first_logprob", "other_choices", "prompt_ends_reasoning", "prompt_token_ids")
+    __slots__ = ("kv_handle", "kv_address", "first_token_id", "num_prompt_tokens", "num_cached_tokens", "next_position_ids", "kv_num_bytes", "prefill_ms", "num_visual_tokens_in", "num_visual_tokens_out", "kv_num_bytes_uncompressed", "pruning", "visual_entry_mask", "kept_visual_token_index", "num_reused_prompt_tokens", "first_text", "distinct_prompt_token_ids", "max_new_tokens", "first_logprob", "other_choices", "prompt_ends_reasoning", "prompt_token_ids", "num_stored_prompt_tokens")
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class PrefillResult(_message.Message):
     OTHER_CHOICES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ENDS_REASONING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STORED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     kv_handle: str
     kv_address: str
     first_token_id: int
@@ -85,7 +86,8 @@ class PrefillResult(_message.Message):
     other_choices: _containers.RepeatedCompositeFieldContainer[ChoiceStart]
     prompt_ends_reasoning: bool
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, kv_handle: _Optional[str] = ..., kv_address: _Optional[str] = ..., first_token_id: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., next_position_ids: _Optional[_Iterable[int]] = ..., kv_num_bytes: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., num_visual_tokens_in: _Optional[int] = ..., num_visual_tokens_out: _Optional[int] = ..., kv_num_bytes_uncompressed: _Optional[int] = ..., pruning: _Optional[_Union[_common_pb2.PruningReport, _Mapping]] = ..., visual_entry_mask: _Optional[bytes] = ..., kept_visual_token_index: _Optional[_Iterable[int]] = ..., num_reused_prompt_tokens: _Optional[int] = ..., first_text: _Optional[str] = ..., distinct_prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., other_choices: _Optional[_Iterable[_Union[ChoiceStart, _Mapping]]] = ..., prompt_ends_reasoning: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_stored_prompt_tokens: int
+    def __init__(self, kv_handle: _Optional[str] = ..., kv_address: _Optional[str] = ..., first_token_id: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., next_position_ids: _Optional[_Iterable[int]] = ..., kv_num_bytes: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., num_visual_tokens_in: _Optional[int] = ..., num_visual_tokens_out: _Optional[int] = ..., kv_num_bytes_uncompressed: _Optional[int] = ..., pruning: _Optional[_Union[_common_pb2.PruningReport, _Mapping]] = ..., visual_entry_mask: _Optional[bytes] = ..., kept_visual_token_index: _Optional[_Iterable[int]] = ..., num_reused_prompt_tokens: _Optional[int] = ..., first_text: _Optional[str] = ..., distinct_prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., other_choices: _Optional[_Iterable[_Union[ChoiceStart, _Mapping]]] = ..., prompt_ends_reasoning: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_stored_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("prompt_logprobs", "result")

@@ -4,6 +4,7 @@ message, function calls) in order, and its streamed events, which carry the same
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from epd.gateway.responses_events import ResponseEvents
 from tests.unit.gateway.responses_bodies import TOOL, parse, summary, whole
@@ -11,7 +12,9 @@ from tests.unit.gateway.responses_bodies import TOOL, parse, summary, whole
 
 def test_the_response_object():
     request = parse(input="hi", metadata={"k": "v"}, max_output_tokens=3)
-    body = whole(summary("hello"), request, None, created=1)
+    # A prompt of 4 tokens: 1 read from prefill's prefix cache, the 3 after it written there.
+    body = whole(replace(summary("hello"), num_reused_prompt_tokens=1, num_stored_prompt_tokens=3), request,
+                 None, created=1)  # fmt: skip
     assert body["id"] == "resp_r1" and body["object"] == "response" and body["created_at"] == 1
     assert (body["status"], body["incomplete_details"], body["store"]) == ("completed", None, False)
     assert body["metadata"] == {"k": "v"} and body["max_output_tokens"] == 3
@@ -20,7 +23,7 @@ def test_the_response_object():
     assert item["content"] == [{"type": "output_text", "text": "hello", "annotations": []}]
     assert body["usage"] == {
         "input_tokens": 4,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 1, "cache_write_tokens": 3},
         "output_tokens": 3,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": 7,

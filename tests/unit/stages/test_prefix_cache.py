@@ -237,6 +237,25 @@ def test_a_longer_entry_replaces_the_one_it_extends():
     assert hit is not None and hit.entry.cache == "turn2"
 
 
+def test_put_says_how_many_tokens_it_wrote():
+    """What the Responses API reports as `cache_write_tokens`: a first prompt's every token; a
+    follow-up's tokens after the turn it continues; none for a prompt held already, or one too
+    large to keep; under the text-only view (`also`), the text turn's tokens were held."""
+    cache = PrefixCache(1000, 60)
+    assert cache.put("k", TURN1, "turn1", 100) == len(TURN1)
+    assert cache.put("k", [*TURN1, 8, 9], "turn2", 120) == 2  # turn 1's KV was held
+    assert cache.put("k", [*TURN1, 8, 9], "again", 120) == 0
+    assert cache.put("k", [*TURN1[:-1], 6], "a sibling", 100) == 1  # all but the last held
+    assert cache.put("other", TURN1, "another key", 100) == len(TURN1)  # another key's KV differs
+    assert cache.put("big", TURN1, "too large", 1001) == 0
+    text_turn = [*PREAMBLE, 2, 3, 4]
+    assert cache.put("text", text_turn, "text kv", 10) == len(text_turn)
+    media_turn = [*text_turn, 5, V, V, 6]
+    first_visual = len(text_turn) + 1
+    written = cache.put("media", media_turn, "media kv", 10, also=PrefixView("text", first_visual))
+    assert written == len(media_turn) - len(text_turn)
+
+
 def test_a_prompt_an_entry_already_holds_adds_no_entry_and_renews_it():
     """A prompt whose ids begin an entry of its key (a continued assistant message after its
     conversation's next turn was cached, or an earlier turn asked again): the entry serves every
@@ -246,10 +265,10 @@ def test_a_prompt_an_entry_already_holds_adds_no_entry_and_renews_it():
     cache = PrefixCache(1000, 10, clock)
     cache.put("k", [*TURN1, 8, 9], "turn2", 120)
     clock.now = 8
-    assert cache.put("k", TURN1, "turn1", 100)  # kept: its KV is held, by "turn2"
+    assert cache.put("k", TURN1, "turn1", 100) == 0  # nothing written: its KV is held, by "turn2"
     stats = cache.stats()
     assert (stats.num_entries, stats.num_bytes, stats.num_evictions) == (1, 120, 0)
-    assert cache.put("k", [*TURN1, 8, 9], "again", 120)  # the same ids again
+    assert cache.put("k", [*TURN1, 8, 9], "again", 120) == 0  # the same ids again
     assert [(e.cache, e.num_bytes) for e in cache._entries.values()] == [("turn2", 120)]
     clock.now = 15  # unused by a lookup since 0, renewed by the puts at 8
     hit = cache.lookup("k", [*TURN1, 3], VISUAL_END)

@@ -91,6 +91,7 @@ def _handle() -> PrefillHandle:
         visual_entry_mask=torch.rand(2, 1, 70, generator=torch.Generator().manual_seed(1)) > 0.5,
         kept_visual_token_index=[1, 4, 9],
         num_reused_prompt_tokens=50,
+        num_stored_prompt_tokens=40,
         first_text=" a",
         distinct_prompt_token_ids=[3, 17, 151643],
         prompt_ends_reasoning=True,

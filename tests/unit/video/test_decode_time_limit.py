@@ -114,6 +114,34 @@ def test_workers_stuck_inside_a_frame_do_not_hold_the_request_past_the_limit(vid
     assert _decode_threads() - others == set()  # no thread outlives its pool
 
 
+def test_a_decode_another_backend_began_gets_what_is_left_of_its_budget(video_factory):
+    """The encoder's decord fallback: PyAV's attempt after decord's child crashed counts from the
+    start of the request's decode (`decode_started_s`), not from its own, which gave the request a
+    second --max-decode-s. Nothing left: refused before a worker takes it; some left: its budget
+    ends where the request's does."""
+    data = video_factory(".mp4", codec="h264", **SMALL)
+    limits = DecodeLimits(max_decode_s=60.0)
+    with ParallelDecoder(ParallelDecodeConfig(num_workers=2, seek_cost_frames=0)) as dec:
+        with pytest.raises(MediaLimitError, match=r"limit of 60 s \(encoder flag --max-decode-s\)"):
+            dec.iter_groups(data, OPTS, limits, decode_started_s=time.monotonic() - 61.0)
+        begun_s = time.monotonic() - 30.0
+        with dec.iter_groups(data, OPTS, limits, decode_started_s=begun_s) as stream:
+            assert stream._request is not None and stream._request.budget.deadline_s == begun_s + 60.0
+            assert np.array_equal(stream.result().frames, simple_decoder.decode(data, OPTS).frames)
+        assert dec.num_live_workers == 2
+
+
+@pytest.mark.skipif(not decord_available(), reason="decord is an optional backend")
+def test_decord_counts_from_the_start_the_encoder_gives_it(video_factory):
+    """`started_s`: the encoder's start of the request's decode (before `hands_over`'s demux
+    pass); a request whose budget is spent by then never reaches the child."""
+    data = video_factory(".mp4", codec="h264", **SMALL)
+    with DecordDecoder() as dec:
+        with pytest.raises(MediaLimitError, match=r"limit of 60 s \(encoder flag --max-decode-s\)"):
+            dec.decode(data, OPTS, DecodeLimits(max_decode_s=60.0), started_s=time.monotonic() - 61.0)
+        assert dec._proc is None and dec.num_restarts == 0
+
+
 @pytest.mark.skipif(not decord_available(), reason="decord is an optional backend")
 def test_decord_child_is_stopped_at_the_limit(video_factory, monkeypatch):
     """decord decodes in a child, all at once: the parent waits only what is left of the limit,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import logging
 import os
 import re
 import threading
@@ -31,7 +32,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 
@@ -579,11 +580,20 @@ def _crashes_decord(seeds: dict[str, bytes]) -> bytes:
     return bytes(data)
 
 
+def _warnings(caplog) -> list[str]:
+    """The WARNING (and worse) lines epd's loggers wrote while `caplog` listened."""
+    return [
+        r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("epd")
+    ]
+
+
 @pytest.mark.parametrize("encoder", ["decord"], indirect=True)
-def test_a_file_that_crashes_decords_child_gets_pyavs_answer(encoder, seeds, tiny_models):
+def test_a_file_that_crashes_decords_child_gets_pyavs_answer(encoder, seeds, tiny_models, caplog):
     """decord crashes its child on some damaged files, every time: the request was answered
     DecoderCrashed (UNAVAILABLE "retry the request"), which never helps. The encoder decodes it
-    with PyAV instead: the PyAV backend's answer (here its tokens), counted, and nothing left over."""
+    with PyAV instead: the PyAV backend's answer (here its tokens), counted, and nothing left over.
+    The crash is one WARNING line, which says so without decoder text (there were two: the
+    backend's, with the pipe's exception, and the encoder's)."""
     data, sampling = _crashes_decord(seeds), SamplingOptions(num_frames=4)
     pyav = _encoder(tiny_models, "pyav")
     try:
@@ -598,10 +608,14 @@ def test_a_file_that_crashes_decords_child_gets_pyavs_answer(encoder, seeds, tin
     decord, fallbacks = encoder.engine._decord, encoder.engine.num_decord_fallbacks
     assert decord is not None
     restarts = decord.num_restarts
-    got = encoder.driver.submit(
-        encoder.engine.encode, MediaInput(data, ""), sampling, lambda e: None
-    ).result()
+    with caplog.at_level(logging.INFO):
+        got = encoder.driver.submit(
+            encoder.engine.encode, MediaInput(data, ""), sampling, lambda e: None
+        ).result()
     assert decord.num_restarts == restarts + 1  # it did crash decord's child
+    [warning] = _warnings(caplog)
+    assert "decord child crashed" in warning and "PyAV backend instead" in warning, warning
+    assert not LEAKS.search(warning), warning
     assert encoder.engine.num_decord_fallbacks == fallbacks + 1
     assert got.num_frames == expected.num_frames and got.meta.grid_thw == expected.meta.grid_thw
     assert torch.equal(got.embeds, expected.embeds)
@@ -627,5 +641,46 @@ def test_a_crash_while_cancelled_or_closing_is_not_decoded_again(seeds, tiny_mod
             decord.driver.submit(decord.engine.open_frames, data, sha256, sampling).result()
         assert code_of(crashed.value) == grpc.StatusCode.UNAVAILABLE
         assert decord.engine._decord.num_restarts == 2 and decord.engine.num_decord_fallbacks == 0
+    finally:
+        _close(decord)
+
+
+class _LateAnswer:
+    """The decord backend's pipe to its child, read `delay_s` late: the request's --max-decode-s
+    is spent in decord by the time its child's crash is seen (a crash late in a long decode)."""
+
+    def __init__(self, conn, delay_s: float):
+        self.conn, self.delay_s = conn, delay_s
+
+    def poll(self, timeout_s: float) -> bool:
+        time.sleep(self.delay_s)
+        return self.conn.poll(timeout_s)
+
+    def __getattr__(self, name):
+        return getattr(self.conn, name)
+
+
+def test_a_crash_after_the_decode_budget_is_spent_is_not_decoded_again(seeds, tiny_models, caplog):
+    """--max-decode-s bounds the request's decode, not each backend's: PyAV's attempt after the
+    decord child crashed started a budget of its own, so a request could take decord's time plus
+    --max-decode-s. A crash seen once the budget is spent gets the slow decode's error
+    (RESOURCE_EXHAUSTED, naming the flag), not PyAV's tokens; one WARNING line says so."""
+    limit_s = 2.0
+    decord = _encoder(tiny_models, "decord")
+    try:
+        assert decord.encode(seeds["mp4_h264_bframes"], SamplingOptions(num_frames=2)) is None  # child up
+        # A short budget once the child is up (spawning it may take seconds on a loaded machine).
+        decord.engine.config = replace(decord.engine.config, limits=replace(LIMITS, max_decode_s=limit_s))
+        backend = decord.engine._decord
+        assert backend is not None and backend._conn is not None
+        backend._conn = _LateAnswer(backend._conn, delay_s=limit_s + 0.5)
+        with caplog.at_level(logging.INFO):
+            error = decord.encode(_crashes_decord(seeds), SamplingOptions(num_frames=4))
+        assert code_of(error) == grpc.StatusCode.RESOURCE_EXHAUSTED, repr(error)
+        assert "(encoder flag --max-decode-s)" in str(error), error
+        assert backend.num_restarts == 1 and decord.engine.num_decord_fallbacks == 0
+        [warning] = _warnings(caplog)
+        assert "decord child crashed" in warning and "--max-decode-s" in warning, warning
+        assert not LEAKS.search(warning), warning
     finally:
         _close(decord)
