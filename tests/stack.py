@@ -76,6 +76,11 @@ the gateway presents it to the stages, decode to prefill; the test presents it w
 INTERNAL_AUTH_METADATA = (("x-epd-internal-auth", TEST_INTERNAL_SECRET),)
 INSECURE_STAGE = ("--insecure-no-internal-auth",)
 """What a stage started alone without the secret needs (tests call such stages directly)."""
+QUICK_CLOSE = ("--close-timeout-s", "1")
+"""For the stages of a test that leaves slow structured-output compiles running on purpose: after
+the drain their close waits for those threads up to --close-timeout-s (30 s by default), longer
+than a Stack waits for an exit (20 s, then SIGKILL); a test that does not test the close need not
+wait for them."""
 
 
 def child_env(internal_secret: bool = False) -> dict[str, str]:
