@@ -241,7 +241,7 @@ class Stack:
         own = extra(self) if callable(extra) else extra
         ports = ["--port", str(self.ports.get(name, 0)), "--ports-file", str(self.ports_file(name))]
         if name == "gateway":
-            stages = [f"--{stage}={self.address(stage)}" for stage in ("encoder", "prefill", "decode")]
+            stages = [f"--{stage}={self.address(stage)}" for stage in STAGES]
             http = ["--http-port", str(self.http_port or "auto")] if self.http else []
             args = ["serve", "gateway", *ports, *stages, *http]
         else:

@@ -39,11 +39,11 @@ def allowed_dir(tmp_path_factory, media_files):
 def stack(shared_stack, tmp_path_factory, allowed_dir):
     """A gateway of its own (every flag here is the gateway's) over the session's stages."""
     flags = [
-            "--api-key", API_KEY,
-            "--served-model-name", MODEL,
-            "--allowed-local-media-path", str(allowed_dir),
-            # Listed on purpose: the private-address check must refuse them anyway.
-            "--allowed-media-domains", "localhost,127.0.0.1,10.1.2.3,allowed.invalid",
+        "--api-key", API_KEY,
+        "--served-model-name", MODEL,
+        "--allowed-local-media-path", str(allowed_dir),
+        # Listed on purpose: the private-address check must refuse them anyway.
+        "--allowed-media-domains", "localhost,127.0.0.1,10.1.2.3,allowed.invalid",
     ]  # fmt: skip
     with gateway_over(shared_stack, tmp_path_factory.mktemp("logs_http"), flags, http=True) as s:
         yield s
