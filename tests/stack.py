@@ -37,6 +37,7 @@ ROLE_SERVICES = {
 (whatever it is) never counts as the role serving."""
 
 ROOT = Path(__file__).resolve().parent.parent
+STAGES = ("encoder", "prefill", "decode")
 
 
 def serving_pid(port: int) -> int | None:
@@ -76,6 +77,11 @@ the gateway presents it to the stages, decode to prefill; the test presents it w
 INTERNAL_AUTH_METADATA = (("x-epd-internal-auth", TEST_INTERNAL_SECRET),)
 INSECURE_STAGE = ("--insecure-no-internal-auth",)
 """What a stage started alone without the secret needs (tests call such stages directly)."""
+QUICK_CLOSE = ("--close-timeout-s", "1")
+"""For the stages of a test that leaves slow structured-output compiles running on purpose: after
+the drain their close waits for those threads up to --close-timeout-s (30 s by default), longer
+than a Stack waits for an exit (20 s, then SIGKILL); a test that does not test the close need not
+wait for them."""
 
 
 def child_env(internal_secret: bool = False) -> dict[str, str]:
@@ -214,9 +220,13 @@ class Stack:
         internal_secret: bool = False,
         gateway_env: dict[str, str] | None = None,
         http: bool = False,
+        stages: Stack | None = None,
     ) -> None:
         """gateway_env: variables set in the gateway's environment alone (over the stages' own).
-        http: the gateway serves the HTTP API too, on `.http_port`."""
+        http: the gateway serves the HTTP API too, on `.http_port`.
+        stages: another Stack, entered, whose encoder, prefill and decode this one's gateway calls
+        instead of starting its own (`gateway_over`)."""
+        self.stages = stages
         self.model = str(model)
         self.log_dir = log_dir
         self.extra: dict[str, GatewayFlags] = dict(extra or {})
@@ -246,7 +256,7 @@ class Stack:
         own = extra(self) if callable(extra) else extra
         ports = ["--port", str(self.ports.get(name, 0)), "--ports-file", str(self.ports_file(name))]
         if name == "gateway":
-            stages = [f"--{stage}={self.address(stage)}" for stage in ("encoder", "prefill", "decode")]
+            stages = [f"--{stage}={self.address(stage)}" for stage in STAGES]
             http = ["--http-port", str(self.http_port or "auto")] if self.http else []
             args = ["serve", "gateway", *ports, *stages, *http]
         else:
@@ -257,8 +267,12 @@ class Stack:
 
     def __enter__(self) -> Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        groups: tuple[tuple[str, ...], ...] = (STAGES, ("gateway",))
+        if self.stages is not None:
+            self.ports.update({name: self.stages.ports[name] for name in STAGES})
+            groups = (("gateway",),)
         try:
-            for group in (("encoder", "prefill", "decode"), ("gateway",)):
+            for group in groups:
                 for name in group:
                     self._start(name)
                 for name in group:
@@ -303,7 +317,28 @@ class Stack:
                 proc.wait()
 
     def alive(self) -> bool:
-        return all(p.poll() is None for p in self.procs.values())
+        own = all(p.poll() is None for p in self.procs.values())
+        return own and (self.stages is None or self.stages.alive())
+
+
+def gateway_over(
+    stages: Stack, log_dir: Path, gateway_flags: GatewayFlags, http: bool = False, **kwargs
+) -> Stack:
+    """A Stack that starts only a gateway, with its own flags (`gateway_flags`), over `stages`'s
+    encoder, prefill and decode (an entered Stack: the session's `shared_stack`, or a module's).
+    For tests of what the gateway's own flags do: a gateway starts in a plain interpreter in a
+    second or two, the three model services take most of a stack's ~10-15 s on two cores. The
+    stages are shared, so their caches may hold earlier tests' media and prompts: a test that
+    counts encodes, cache hits or a stage's log lines starts a Stack of its own."""
+    return Stack(
+        Path(stages.model),
+        log_dir,
+        extra={"gateway": gateway_flags},
+        internal_secret=stages.internal_secret,
+        http=http,
+        stages=stages,
+        **kwargs,
+    )
 
 
 class VerboseStack(Stack):

@@ -16,9 +16,10 @@ def _shared_weights_of_tiny_qwen2_vl(tiny_models):
     starts the zygote (test_shared_weights checks one does)."""
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def long_clip(tmp_path_factory):
-    """One keyframe in 30 s of 640x480: decoding 256 frames of it takes the encoder seconds."""
+    """One keyframe in 30 s of 640x480: decoding 256 frames of it takes the encoder seconds.
+    Session-scoped: 900 textured frames take seconds to encode, and both modules only read it."""
     return make_video(
         tmp_path_factory.mktemp("long") / "long.mp4",
         size=(640, 480),

@@ -20,15 +20,16 @@ from epd.stages.contracts import MediaInput
 from epd.stages.errors import InvalidRequest, ResourceExhausted
 from epd.stages.messages import question_messages
 from epd.video.types import SamplingOptions
-from tests.stack import Stack
+from tests.stack import gateway_over
 
 UPLOAD_LIMIT_BYTES = 200_000
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_models, tmp_path_factory):
-    extra = {"gateway": ["--max-upload-bytes", str(UPLOAD_LIMIT_BYTES)]}
-    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_bad"), extra=extra) as s:
+def stack(shared_stack, tmp_path_factory):
+    """A gateway of its own (the upload limit is the gateway's) over the session's stages."""
+    flags = ["--max-upload-bytes", str(UPLOAD_LIMIT_BYTES)]
+    with gateway_over(shared_stack, tmp_path_factory.mktemp("logs_bad"), flags) as s:
         yield s
 
 

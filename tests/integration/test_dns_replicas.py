@@ -22,7 +22,7 @@ from epd.cli.health import health_answer
 from epd.client import EpdClient
 from epd.gateway.dns_replicas import replica_address
 from epd.transport.ports_file import free_port
-from tests.stack import ROOT, Stack, bound_ports, child_env
+from tests.stack import ROOT, Stack, bound_ports, child_env, gateway_over
 
 QUESTION = "what colour is the moving square?"
 OPTIONS = {"num_frames": 4, "max_new_tokens": 6}
@@ -41,15 +41,14 @@ def _labels(port: int, sample_name: str, stage: str) -> set[str]:
     }
 
 
-def test_a_dns_name_is_routed_as_one_replica_per_address(tiny_models, tmp_path, shared_stack, media_files):
+def test_a_dns_name_is_routed_as_one_replica_per_address(tmp_path, shared_stack, media_files):
     dead = free_port()  # nothing listens there, and no other process can take it
 
     def gateway_flags(stack: Stack) -> list[str]:
         return ["--prefill", f"dns:///localhost:{stack.ports['prefill']},dns:///localhost:{dead}"]
 
-    with Stack(
-        tiny_models["qwen2_vl"], tmp_path / "logs", extra={"gateway": gateway_flags}, http=True
-    ) as stack:
+    # A gateway of its own (its --prefill is the DNS name) over the session's stages.
+    with gateway_over(shared_stack, tmp_path / "logs", gateway_flags, http=True) as stack:
         port, http_port = stack.ports["prefill"], stack.http_port
         resolved = {replica_address(info[4][0], p) for p in (port, dead)
                     for info in socket.getaddrinfo("localhost", p, type=socket.SOCK_STREAM)}  # fmt: skip

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from epd.client import VIDEO, EpdClient, Message
-from tests.stack import Stack
+from tests.stack import gateway_over
 
 API_KEY = "test-key-123"
 MODEL = "tiny-qwen2-vl"
@@ -36,17 +36,16 @@ def allowed_dir(tmp_path_factory, media_files):
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_models, tmp_path_factory, allowed_dir):
-    extra = {
-        "gateway": [
-            "--api-key", API_KEY,
-            "--served-model-name", MODEL,
-            "--allowed-local-media-path", str(allowed_dir),
-            # Listed on purpose: the private-address check must refuse them anyway.
-            "--allowed-media-domains", "localhost,127.0.0.1,10.1.2.3,allowed.invalid",
-        ]
-    }  # fmt: skip
-    with Stack(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_http"), extra=extra, http=True) as s:
+def stack(shared_stack, tmp_path_factory, allowed_dir):
+    """A gateway of its own (every flag here is the gateway's) over the session's stages."""
+    flags = [
+        "--api-key", API_KEY,
+        "--served-model-name", MODEL,
+        "--allowed-local-media-path", str(allowed_dir),
+        # Listed on purpose: the private-address check must refuse them anyway.
+        "--allowed-media-domains", "localhost,127.0.0.1,10.1.2.3,allowed.invalid",
+    ]  # fmt: skip
+    with gateway_over(shared_stack, tmp_path_factory.mktemp("logs_http"), flags, http=True) as s:
         yield s
 
 

@@ -19,7 +19,7 @@ from epd.client import NO_RETRY, EpdClient, EpdError, RetryPolicy
 from epd.gateway.admission import max_body_bytes
 from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.raw_http import Connection, Response, request
-from tests.stack import ROOT, Stack
+from tests.stack import ROOT, gateway_over
 
 API_KEY = "malformed-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -32,18 +32,16 @@ QUESTION = "what colour is the moving square?"
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_models, tmp_path_factory):
-    extra = {
-        "gateway": [
-            "--api-key", API_KEY,
-            "--max-upload-bytes", str(UPLOAD_LIMIT_BYTES),
-            "--max-requests-per-client", str(MAX_REQUESTS_PER_CLIENT),
-            "--max-inflight-body-bytes", str(BODY_BUDGET_BYTES),
-        ]
-    }  # fmt: skip
-    with Stack(
-        tiny_models["qwen2_vl"], tmp_path_factory.mktemp("logs_malformed"), extra=extra, http=True
-    ) as s:
+def stack(shared_stack, tmp_path_factory):
+    """A gateway of its own (every flag here is the gateway's) over the session's stages;
+    `stack.alive()` checks those too."""
+    flags = [
+        "--api-key", API_KEY,
+        "--max-upload-bytes", str(UPLOAD_LIMIT_BYTES),
+        "--max-requests-per-client", str(MAX_REQUESTS_PER_CLIENT),
+        "--max-inflight-body-bytes", str(BODY_BUDGET_BYTES),
+    ]  # fmt: skip
+    with gateway_over(shared_stack, tmp_path_factory.mktemp("logs_malformed"), flags, http=True) as s:
         yield s
 
 

@@ -25,7 +25,7 @@ from epd.stages.contracts import MediaInput
 from epd.stages.messages import VIDEO, Message, from_chat_template
 from epd.video.types import SamplingOptions
 from tests.reference import decode_for_test, reference_tokens_for_messages
-from tests.stack import Stack
+from tests.stack import gateway_over
 
 FAMILY = "qwen2_vl"
 MODEL = "tiny"
@@ -70,9 +70,11 @@ def openai_messages(messages: list[dict], url: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_models, tmp_path_factory):
-    extra = {"gateway": ["--served-model-name", MODEL]}
-    with Stack(tiny_models[FAMILY], tmp_path_factory.mktemp("logs_shapes"), extra=extra, http=True) as s:
+def stack(shared_stack, tmp_path_factory):
+    """A gateway of its own (--served-model-name is the gateway's) over the session's stages."""
+    assert FAMILY == "qwen2_vl"  # shared_stack's model
+    flags = ["--served-model-name", MODEL]
+    with gateway_over(shared_stack, tmp_path_factory.mktemp("logs_shapes"), flags, http=True) as s:
         yield s
 
 

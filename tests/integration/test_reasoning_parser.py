@@ -27,7 +27,7 @@ from epd.model_runtime.config import ModelConfig
 from epd.model_runtime.tiny_model import TinyVLMSpec, build_checkpoint
 from tests.integration.gateway_http import _model_card, post_embedded
 from tests.local_http import post_json, sse_chunks
-from tests.stack import Stack
+from tests.stack import Stack, gateway_over
 
 MAX_TOKENS = 12
 TEXT_ONLY = [{"role": "user", "content": "name a colour"}]
@@ -80,8 +80,13 @@ def test_the_stack_parts_a_thinking_answer_into_reasoning_and_content(qwen3_5, t
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
-    extra = {"gateway": ["--reasoning-parser", "qwen3"]}
-    with Stack(qwen3_5, tmp_path / "logs", extra=extra, http=True) as stack:
+    # One set of stages, two gateways: with the parser, then without it (the flag is the gateway's).
+    with Stack(qwen3_5, tmp_path / "stages") as stages:
+        _parted_then_whole(stages, tmp_path, decode, end_id)
+
+
+def _parted_then_whole(stages, tmp_path, decode, end_id: int) -> None:
+    with gateway_over(stages, tmp_path / "logs", ["--reasoning-parser", "qwen3"], http=True) as stack:
         port = stack.http_port
         allowed, ids = _thinking_answer(lambda body: _chat(port, body), end_id)
         end = ids.index(end_id)
@@ -235,9 +240,7 @@ def test_the_stack_parts_a_thinking_answer_into_reasoning_and_content(qwen3_5, t
         )
         assert status == 200 and completion["choices"][0]["text"] == decode(completion["epd"]["token_ids"])
 
-    with Stack(
-        qwen3_5, tmp_path / "logs_off", extra={"gateway": ["--http-port", str(port)]}, http=True
-    ) as stack:
+    with gateway_over(stages, tmp_path / "logs_off", ["--http-port", str(port)], http=True) as stack:
         port = stack.http_port
         reply = _chat(port, _body(allowed_token_ids=allowed))
         assert reply["epd"]["token_ids"] == ids
@@ -250,11 +253,10 @@ def test_the_stack_parts_a_thinking_answer_into_reasoning_and_content(qwen3_5, t
 
 
 def test_the_stack_refuses_chat_requests_when_the_models_tokenizer_has_no_think_markers(
-    tiny_models, tmp_path
+    shared_stack, tmp_path
 ):
     logs = tmp_path / "logs"
-    extra = {"gateway": ["--reasoning-parser", "qwen3"]}
-    with Stack(tiny_models["qwen2_vl"], logs, extra=extra, http=True) as stack:
+    with gateway_over(shared_stack, logs, ["--reasoning-parser", "qwen3"], http=True) as stack:
         port = stack.http_port
         assert _model_card(port)["max_model_len"] is not None  # prefill's model info has arrived
         for body in (_body(), {**_body(), "stream": True}, _body()):

@@ -22,7 +22,7 @@ from PIL import Image
 from epd.cli.health import is_serving
 from epd.transport.affinity import rendezvous_order
 from epd.v1 import load_pb2, load_pb2_grpc
-from tests.stack import Stack, replica_file_stack, stage_replica, wait_until_serving
+from tests.stack import gateway_over, replica_file_stack, stage_replica, wait_until_serving
 
 TOKENS = 4
 WAIT_S = 30.0
@@ -109,15 +109,18 @@ def test_an_encoder_added_to_the_replica_file_gets_traffic_and_one_lost_keeps_th
         assert "NOT_SERVING" not in gateway_log.read_text()
 
 
-def test_a_decode_replica_gone_before_the_first_token_is_retried_on_the_other(tiny_models, tmp_path):
+def test_a_decode_replica_gone_before_the_first_token_is_retried_on_the_other(
+    tiny_models, shared_stack, tmp_path
+):
     logs = tmp_path / "logs"
     logs.mkdir()
     with stage_replica("decode", tiny_models["qwen2_vl"], logs) as (second, replica):
         # --stage-check-interval 0: the gateway learns that the replica is gone from the failed call
-        # itself (the retry path), not from a health check.
-        extra = {"gateway": lambda stack: ["--decode", f"{stack.address('decode')},{second}",
-                                           "--stage-check-interval", "0", "--load-refresh-interval", "0"]}  # fmt: skip
-        with Stack(tiny_models["qwen2_vl"], logs, extra=extra, http=True) as stack:
+        # itself (the retry path), not from a health check. A gateway of its own over the session's
+        # stages, its decode replicas the shared one and this second one.
+        flags = ["--decode", f"{shared_stack.address('decode')},{second}",
+                 "--stage-check-interval", "0", "--load-refresh-interval", "0"]  # fmt: skip
+        with gateway_over(shared_stack, logs, flags, http=True) as stack:
             http_port = stack.http_port
             wait_until_serving(second, replica)
             image = png(7)

@@ -30,14 +30,14 @@ from tests.integration.structured_cases import (
     masked_references,
 )
 from tests.reference import decode_for_test
-from tests.stack import VerboseStack, wait_until
+from tests.stack import QUICK_CLOSE, VerboseStack, wait_until
 
 TIMEOUT_S = 0.5
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_models, tmp_path_factory):
-    deadline = ["--structured-compile-timeout-s", str(TIMEOUT_S)]
+    deadline = ["--structured-compile-timeout-s", str(TIMEOUT_S), *QUICK_CLOSE]
     extra = {"prefill": deadline, "decode": deadline}
     with VerboseStack(
         tiny_models["qwen2_vl"],

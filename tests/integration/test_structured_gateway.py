@@ -21,7 +21,7 @@ from tests.integration.structured_cases import (
     masked_references,
 )
 from tests.reference import decode_for_test
-from tests.stack import Stack, child_env
+from tests.stack import QUICK_CLOSE, Stack, child_env
 
 TIMEOUT_S = 0.5
 
@@ -41,7 +41,7 @@ def test_a_gateway_without_xgrammar_serves_structured_outputs_and_compiling_has_
     probe = subprocess.run([sys.executable, "-c", "import xgrammar"], env={**child_env(), **gateway_env})
     assert probe.returncode != 0, "the shim leaves xgrammar importable"
     want = masked_references(tiny_models["qwen2_vl"], video, ["json_schema"])["json_schema"]
-    deadline = ["--structured-compile-timeout-s", str(TIMEOUT_S)]
+    deadline = ["--structured-compile-timeout-s", str(TIMEOUT_S), *QUICK_CLOSE]
     extra = {"gateway": [], "prefill": deadline, "decode": deadline}
     with Stack(
         tiny_models["qwen2_vl"], tmp_path / "logs", extra=extra, gateway_env=gateway_env, http=True

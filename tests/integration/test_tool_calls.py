@@ -35,7 +35,7 @@ from epd.stages.tokenize import TokenizeInput
 from tests.embedded import request_summary
 from tests.local_http import post_json, sse_chunks
 from tests.reference import template_reference
-from tests.stack import Stack
+from tests.stack import Stack, gateway_over
 from tests.tool_data import (
     CALL_TEXT,
     FORECAST,
@@ -60,6 +60,14 @@ TRANSFORMERS_HISTORY = [  # the same as a transformers user writes it: the argum
 def tool_model(tiny_models, tmp_path_factory):
     """The tiny Qwen2-VL checkpoint with `TOOL_TEMPLATE` as its chat template."""
     return tool_template_model(tiny_models["qwen2_vl"], tmp_path_factory.mktemp("tools") / "qwen2_vl_tools")
+
+
+@pytest.fixture(scope="module")
+def tool_stages(tool_model, tmp_path_factory):
+    """The stages over `tool_model`, which the stack tests' gateways (each with its own parser
+    flags, `gateway_over`) share: the template is prefill's, the flags the gateway's."""
+    with Stack(tool_model, tmp_path_factory.mktemp("logs_tool_stages")) as stages:
+        yield stages
 
 
 def test_the_prompt_with_tools_and_tool_history_is_the_processors_own(tool_model, tiny_models):
@@ -165,10 +173,10 @@ def _named(call: dict) -> tuple[str, str]:
     return call["function"]["name"], call["function"]["arguments"]
 
 
-def test_the_stack_answers_tool_calls_plain_and_streamed(tool_model, tmp_path):
+def test_the_stack_answers_tool_calls_plain_and_streamed(tool_model, tool_stages, tmp_path):
     compact = no_whitespace_bias(tool_model)
-    extra = {"gateway": ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]}
-    with Stack(tool_model, tmp_path / "logs", extra=extra, http=True) as stack:
+    flags = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    with gateway_over(tool_stages, tmp_path / "logs", flags, http=True) as stack:
         port = stack.http_port
         # "auto": the answer's text (forced to a call's by a choice grammar) parsed by hermes.
         forced_text = _body(structured_outputs={"choice": [CALL_TEXT]}, max_tokens=128)
@@ -289,8 +297,8 @@ def test_the_stack_answers_tool_calls_plain_and_streamed(tool_model, tmp_path):
         assert _chat(port, forced_text)["finish_reason"] == "tool_calls"
 
 
-def test_auto_without_the_flag_is_a_400_naming_it(tool_model, tmp_path):
-    with Stack(tool_model, tmp_path / "logs", http=True) as stack:
+def test_auto_without_the_flag_is_a_400_naming_it(tool_stages, tmp_path):
+    with gateway_over(tool_stages, tmp_path / "logs", [], http=True) as stack:
         port = stack.http_port
         status, reply = post_json(port, "/v1/chat/completions", _body())
         assert status == 400
@@ -303,21 +311,15 @@ def test_auto_without_the_flag_is_a_400_naming_it(tool_model, tmp_path):
         assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_time"
 
 
-def test_the_stack_reads_qwen3_coder_calls_plain_and_streamed(tool_model, tmp_path):
+def test_the_stack_reads_qwen3_coder_calls_plain_and_streamed(tool_stages, tmp_path):
     """`--tool-call-parser qwen3_coder` (Qwen3-Coder's and Qwen3.5's form), the answer forced to a
     call's text by a choice grammar: the values typed by the tool's schema (`days` an integer),
     streamed as the name, then the parameters as they end, joining to the whole answer's arguments."""
-    extra = {
-        "gateway": [
-            "--enable-auto-tool-choice",
-            "--tool-call-parser",
-            "qwen3_coder",
-        ]
-    }
+    flags = ["--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder"]
     body = _body(
         tools=[FORECAST, TIME], structured_outputs={"choice": [QWEN3_CODER_CALL_TEXT]}, max_tokens=128
     )
-    with Stack(tool_model, tmp_path / "logs", extra=extra, http=True) as stack:
+    with gateway_over(tool_stages, tmp_path / "logs", flags, http=True) as stack:
         port = stack.http_port
         choice = _chat(port, body)
         (call,) = choice["message"]["tool_calls"]
